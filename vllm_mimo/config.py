@@ -1,0 +1,182 @@
+"""MimoConfig: the plugin's settings, validated at startup.
+
+Sources, later ones winning:
+  1. defaults below;
+  2. vLLM's `--additional-config '{"mimo": {...}}'` (`VllmConfig.additional_config`, which is
+     pickled into the engine-core and worker processes with the rest of the config);
+  3. `VLLM_MIMO_<KEY>` environment variables (inherited by vLLM's child processes).
+
+Every key, type and range is checked; a bad value raises `MimoConfigError` naming the key, the
+value and what is allowed. `python -m vllm_mimo.config` prints the keys as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "VLLM_MIMO_"
+ADDITIONAL_CONFIG_KEY = "mimo"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class MimoConfigError(ValueError):
+    """A vllm-mimo setting has an unknown key, a wrong type or an out-of-range value."""
+
+
+def _key(help: str, **limits: Any) -> dict[str, Any]:
+    """Field metadata: a one-line help text and optional `min`/`max`/`choices` limits."""
+    return {"help": help, **limits}
+
+
+@dataclass(frozen=True)
+class MimoConfig:
+    """Plugin settings. Each field is one key of `{"mimo": {...}}`."""
+
+    enable: bool = field(
+        default=True,
+        metadata=_key(
+            "Turn the plugin on for hybrid sliding-window models. "
+            "`VLLM_MIMO_ENABLE=0` turns it off everywhere."
+        ),
+    )
+
+    @classmethod
+    def keys(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_sources(
+        cls,
+        additional_config: Any = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> "MimoConfig":
+        """Build and validate from vLLM's `additional_config` and the environment."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        section = _mimo_section(additional_config)
+        fields = cls.keys()
+        for key, value in section.items():
+            if key not in fields:
+                raise MimoConfigError(
+                    f"unknown vllm-mimo key {key!r} in --additional-config "
+                    f"'{{\"mimo\": ...}}'; allowed keys: {', '.join(sorted(fields))}"
+                )
+            values[key] = _check_value(fields[key], value, f"additional_config.mimo.{key}")
+        for name, raw in environ.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            key = name[len(ENV_PREFIX) :].lower()
+            if key not in fields:
+                allowed = ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
+                raise MimoConfigError(
+                    f"unknown vllm-mimo environment variable {name}={raw!r}; allowed: {allowed}"
+                )
+            values[key] = _check_value(fields[key], _parse_env(fields[key], raw, name), name)
+        return cls(**values)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "MimoConfig":
+        return cls.from_sources(getattr(vllm_config, "additional_config", None))
+
+
+def _mimo_section(additional_config: Any) -> dict[str, Any]:
+    if not additional_config or not isinstance(additional_config, Mapping):
+        return {}
+    section = additional_config.get(ADDITIONAL_CONFIG_KEY, {})
+    if isinstance(section, str):
+        try:
+            section = json.loads(section)
+        except json.JSONDecodeError as e:
+            raise MimoConfigError(
+                f"additional_config.mimo must be a JSON object, got the string {section!r} ({e})"
+            ) from None
+    if not isinstance(section, Mapping):
+        raise MimoConfigError(
+            f"additional_config.mimo must be a JSON object of vllm-mimo keys, "
+            f"got {type(section).__name__} {section!r}"
+        )
+    return dict(section)
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def _parse_env(f: dataclasses.Field, raw: str, source: str) -> Any:
+    """Turn an environment string into the field's type (validated later)."""
+    kind = _type_name(f)
+    text = raw.strip()
+    if kind == "bool":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise MimoConfigError(
+            f"{source}={raw!r} is not a boolean; use one of {', '.join(_TRUE + _FALSE)}"
+        )
+    if kind in ("int", "float"):
+        try:
+            return int(text) if kind == "int" else float(text)
+        except ValueError:
+            raise MimoConfigError(f"{source}={raw!r} is not a{'n' if kind == 'int' else ''} {kind}") from None
+    return text
+
+
+def _check_value(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """Check type, range and choices; return the value (ints are accepted for floats)."""
+    kind = _type_name(f)
+    meta = f.metadata
+    type_ok = {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+    }[kind]
+    if not type_ok(value):
+        raise MimoConfigError(
+            f"{source}={value!r} has type {type(value).__name__}; expected {kind}"
+        )
+    if kind == "float":
+        value = float(value)
+    lo, hi = meta.get("min"), meta.get("max")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise MimoConfigError(f"{source}={value!r} is out of range; allowed: {_limits(meta)}")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise MimoConfigError(f"{source}={value!r} is not allowed; allowed: {_limits(meta)}")
+    return value
+
+
+def _limits(meta: Mapping[str, Any]) -> str:
+    if "choices" in meta:
+        return "one of " + ", ".join(repr(c) for c in meta["choices"])
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and hi is not None:
+        return f"{lo} <= value <= {hi}"
+    if lo is not None:
+        return f"value >= {lo}"
+    if hi is not None:
+        return f"value <= {hi}"
+    return "any"
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from the fields."""
+    rows = ["| key | env | type | default | allowed | what it does |", "|---|---|---|---|---|---|"]
+    for name, f in MimoConfig.keys().items():
+        rows.append(
+            f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {_type_name(f)} | "
+            f"`{json.dumps(f.default)}` | {_limits(f.metadata)} | {f.metadata['help']} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

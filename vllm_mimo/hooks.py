@@ -1,0 +1,94 @@
+"""What `register()` installs in each vLLM process.
+
+vLLM calls general plugins with no arguments, before any model config exists, in the
+front-end, engine-core and worker processes. The plugin therefore installs one hook, run
+after every `VllmConfig` is validated in the front-end process: it reads `MimoConfig` (bad
+settings fail here, at startup), finds the model's hybrid layout and, for a hybrid SWA model,
+selects the plugin's scheduler unless the user chose one. The engine process then logs the
+plugin's startup line from that scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_mimo.config import ENV_PREFIX, MimoConfig
+from vllm_mimo.log import logger
+
+SCHEDULER_CLS = "vllm_mimo.block_manager.scheduler.MimoScheduler"
+ASYNC_SCHEDULER_CLS = "vllm_mimo.block_manager.scheduler.MimoAsyncScheduler"
+
+_registered_in_pid: int | None = None
+
+
+def registered() -> bool:
+    """True once `register()` has installed the plugin in this process."""
+    return _registered_in_pid == os.getpid()
+
+
+def disabled_by_env() -> bool:
+    """`VLLM_MIMO_ENABLE` set to a false value (other values are validated with the config)."""
+    return os.environ.get(f"{ENV_PREFIX}ENABLE", "").strip().lower() in ("0", "false", "no", "off")
+
+
+def install() -> None:
+    """Install the plugin's hooks in this process, once."""
+    global _registered_in_pid
+    if registered():
+        return
+    if disabled_by_env():
+        logger.debug("vllm-mimo: disabled by %sENABLE", ENV_PREFIX)
+        return
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.__post_init__
+    if not getattr(original, "_vllm_mimo_hook", False):
+
+        def __post_init__(self: Any) -> None:
+            original(self)
+            configure(self)
+
+        __post_init__._vllm_mimo_hook = True  # type: ignore[attr-defined]
+        VllmConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+    _registered_in_pid = os.getpid()
+
+
+def configure(vllm_config: Any) -> None:
+    """Validate the plugin's settings and, for a hybrid SWA model, select its scheduler."""
+    from vllm_mimo.layout import layout_from_hf_config
+
+    model_config = vllm_config.model_config
+    if model_config is None or getattr(model_config, "is_submodel_config", False):
+        return
+    config = MimoConfig.from_vllm_config(vllm_config)
+    if not config.enable:
+        logger.debug("vllm-mimo: disabled by configuration (enable=false)")
+        return
+    layout = layout_from_hf_config(model_config.hf_config)
+    if layout is None:
+        logger.debug(
+            "vllm-mimo: %s is not a hybrid sliding-window model; the plugin does nothing",
+            model_config.architecture,
+        )
+        return
+    scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.scheduler_cls in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
+        return  # a config rebuilt from one this hook already configured
+    if scheduler_config.scheduler_cls is not None:
+        logger.warning(
+            "vllm-mimo: --scheduler-cls %s was given, so the plugin's scheduler is not "
+            "installed for hybrid SWA model %s",
+            scheduler_config.scheduler_cls,
+            model_config.architecture,
+        )
+        return
+    scheduler_config.scheduler_cls = (
+        ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
+    )
+    logger.debug(
+        "vllm-mimo: %s: %s; scheduler %s",
+        model_config.architecture,
+        layout.describe(),
+        scheduler_config.scheduler_cls,
+    )

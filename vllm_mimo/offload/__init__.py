@@ -1,0 +1,1 @@
+"""Host KV tier with mask-only transfers. Empty until that issue lands."""

@@ -1,0 +1,1 @@
+"""Multi-layer MTP warmed in prefill. Empty until that issue lands."""

@@ -1,0 +1,1 @@
+"""Test and demo support: tiny local models and a `vllm serve` launcher."""
