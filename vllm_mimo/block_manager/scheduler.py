@@ -14,6 +14,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_mimo.config import MimoConfig
+from vllm_mimo.doctor import log_startup_warnings
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
 
@@ -48,6 +49,7 @@ class _MimoSchedulerMixin:
             len(self.kv_cache_config.kv_cache_groups),  # type: ignore[attr-defined]
             ", ".join(enabled_features(self.mimo_config)) or "none",
         )
+        log_startup_warnings()
 
 
 def enabled_features(config: MimoConfig) -> list[str]:
