@@ -6,6 +6,8 @@ name for each. Import vLLM internals from here, never directly, so a move is fix
 
 from __future__ import annotations
 
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -13,13 +15,37 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+try:  # 0.33 moved KV cache planning out of kv_cache_utils
+    from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+except ImportError:  # 0.32
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.request import Request, RequestStatus
+
 try:  # reference SWA: a full-attention spec subclass that is really windowed
     from vllm.v1.kv_cache_interface import RSWASpec
 except ImportError:  # pragma: no cover - absent on some builds
     RSWASpec = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "FullAttentionManager",
     "FullAttentionSpec",
+    "Request",
+    "RequestStatus",
+    "get_kv_cache_config_from_groups",
+    "get_kv_cache_groups",
+    "get_request_block_hasher",
+    "init_none_hash",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheManager",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "RSWASpec",

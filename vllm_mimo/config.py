@@ -47,6 +47,48 @@ class MimoConfig:
         ),
     )
 
+    swa_pool_fraction: float | None = field(
+        default=None,
+        metadata=_key(
+            "Share of the KV blocks whose home is the SWA pool; the rest is the Full pool. "
+            "null: the windows of the maximum number of running requests plus the anchor "
+            "budget. Must hold at least one request's window. Free blocks move between the "
+            "pools when one runs out.",
+            min=0.01,
+            max=0.9,
+        ),
+    )
+    anchor_budget_fraction: float = field(
+        default=0.5,
+        metadata=_key(
+            "Share of all KV blocks that SWA anchors (windows kept after requests move on) "
+            "may hold; the auto SWA pool is running windows plus this budget. Within it, "
+            "anchors and cached Full blocks are evicted least recently used first (pinned "
+            "anchors and their paths last); over it, the oldest anchors go.",
+            min=0.0,
+            max=0.9,
+        ),
+    )
+    grid_anchor_tokens: int = field(
+        default=512,
+        metadata=_key(
+            "Also anchor every this many prompt tokens a request computes (rounded down to a "
+            "KV block), so a later request that branches off mid-prompt still finds a window "
+            "nearby; these age out first when unused. 0 turns grid anchors off.",
+            min=0,
+            max=1_048_576,
+        ),
+    )
+    hot_prefix_min_hits: int = field(
+        default=2,
+        metadata=_key(
+            "Distinct requests that must reuse a prefix before its end becomes a hot-prefix "
+            "anchor.",
+            min=2,
+            max=1_000_000,
+        ),
+    )
+
     @classmethod
     def keys(cls) -> dict[str, dataclasses.Field]:
         return {f.name: f for f in dataclasses.fields(cls)}
@@ -109,10 +151,20 @@ def _type_name(f: dataclasses.Field) -> str:
     return f.type if isinstance(f.type, str) else f.type.__name__
 
 
+def _base_type(f: dataclasses.Field) -> tuple[str, bool]:
+    """(`bool` | `int` | `float` | `str`, whether null is allowed)."""
+    name = _type_name(f)
+    if name.endswith(" | None"):
+        return name[: -len(" | None")], True
+    return name, False
+
+
 def _parse_env(f: dataclasses.Field, raw: str, source: str) -> Any:
     """Turn an environment string into the field's type (validated later)."""
-    kind = _type_name(f)
+    kind, nullable = _base_type(f)
     text = raw.strip()
+    if nullable and text.lower() in ("", "none", "null", "auto"):
+        return None
     if kind == "bool":
         if text.lower() in _TRUE:
             return True
@@ -131,8 +183,10 @@ def _parse_env(f: dataclasses.Field, raw: str, source: str) -> Any:
 
 def _check_value(f: dataclasses.Field, value: Any, source: str) -> Any:
     """Check type, range and choices; return the value (ints are accepted for floats)."""
-    kind = _type_name(f)
+    kind, nullable = _base_type(f)
     meta = f.metadata
+    if value is None and nullable:
+        return None
     type_ok = {
         "bool": lambda v: isinstance(v, bool),
         "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -140,8 +194,9 @@ def _check_value(f: dataclasses.Field, value: Any, source: str) -> Any:
         "str": lambda v: isinstance(v, str),
     }[kind]
     if not type_ok(value):
+        expected = f"{kind} or null" if nullable else kind
         raise MimoConfigError(
-            f"{source}={value!r} has type {type(value).__name__}; expected {kind}"
+            f"{source}={value!r} has type {type(value).__name__}; expected {expected}"
         )
     if kind == "float":
         value = float(value)
@@ -171,8 +226,9 @@ def markdown_table() -> str:
     """The README's configuration table, generated from the fields."""
     rows = ["| key | env | type | default | allowed | what it does |", "|---|---|---|---|---|---|"]
     for name, f in MimoConfig.keys().items():
+        kind, nullable = _base_type(f)
         rows.append(
-            f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {_type_name(f)} | "
+            f"| `{name}` | `{ENV_PREFIX}{name.upper()}` | {kind}{' or null' if nullable else ''} | "
             f"`{json.dumps(f.default)}` | {_limits(f.metadata)} | {f.metadata['help']} |"
         )
     return "\n".join(rows)

@@ -1,0 +1,432 @@
+"""Replay a workload through upstream vLLM's KVCacheManager and the plugin's, side by side.
+
+    python -m eval.replay (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
+        [--engines upstream-r0,upstream-dense,upstream-r512,swa-free,mimo] [--max-requests N]
+        [--json OUT] [--plot OUT.png]
+
+No model is loaded. For each KV budget, every engine gets the `KVCacheConfig` vLLM builds for
+the layout at that budget (`swa-free`: the same number of blocks with the SWA groups removed),
+real `Request` objects with vLLM's block hasher, and the same scheduling loop: FCFS, running
+requests first, chunked prefill under a token budget, recompute preemption of the newest running
+request, a cap on running requests, decode one token per step, blocks freed at the end. Time is
+simulated: each step costs a fixed decode time plus a prefill cost per computed token, and
+requests arrive at their trace timestamps.
+
+Reported per (engine, budget): prompt tokens; ideal hit tokens (unlimited memory: the longest
+prefix any earlier request computed); hit tokens (prompt tokens no layer recomputes); pseudo-hit
+tokens (cached by the Full layers, recomputed for want of SWA KV); recomputed prefill tokens
+(every prefill token computed, re-prefills after preemption included); peak blocks held by
+running requests per pool; mean microseconds per manager call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eval.layouts import (
+    BLOCK_SIZE,
+    LAYOUTS,
+    full_only,
+    kv_cache_config,
+    model_less_vllm_config,
+    with_retention,
+)
+from eval.workloads import WORKLOADS, ReplayRequest, make_workload, read_mooncake, segment_tokens, tokens
+
+ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SimParams:
+    max_running: int = 64
+    token_budget: int = 8192
+    max_model_len: int = 131072
+    prefill_s_per_token: float = 1 / 20000
+    decode_s_per_step: float = 0.02
+
+
+@dataclass
+class RunResult:
+    engine: str
+    kv_gib: float
+    num_blocks: int
+    requests: int = 0
+    prompt_tokens: int = 0
+    ideal_hit_tokens: int = 0
+    hit_tokens: int = 0
+    full_hit_tokens: int = 0
+    pseudo_hit_tokens: int = 0
+    recomputed_prefill_tokens: int = 0
+    preemptions: int = 0
+    peak_blocks: dict = field(default_factory=dict)
+    mean_us_per_call: float = 0.0
+    sim_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    anchors: dict = field(default_factory=dict)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def fraction_of_ideal(self) -> float:
+        return self.hit_tokens / self.ideal_hit_tokens if self.ideal_hit_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["hit_ratio"] = self.hit_ratio
+        out["fraction_of_ideal"] = self.fraction_of_ideal
+        return out
+
+
+def ideal_hits(requests: list[ReplayRequest], block_size: int = BLOCK_SIZE) -> list[int]:
+    """Per request: tokens an unlimited cache could serve (prefixes computed by earlier requests)."""
+    seen: set[bytes] = set()
+    out = []
+    for r in requests:
+        toks = tokens(r.prompt)
+        hashes, prev = [], b""
+        full = tokens((*r.prompt, r.output))
+        for start in range(0, len(full) - block_size + 1, block_size):
+            prev = hashlib.blake2b(prev + repr(full[start : start + block_size]).encode(), digest_size=16).digest()
+            hashes.append(prev)
+        limit = (len(toks) - 1) // block_size
+        hit = 0
+        while hit < limit and hashes[hit] in seen:
+            hit += 1
+        out.append(hit * block_size)
+        seen.update(hashes[: (len(full) - 1) // block_size])  # the last token's KV is never computed
+    return out
+
+
+class _Timed:
+    """Wraps a manager and accumulates the wall time of its calls."""
+
+    def __init__(self, manager) -> None:
+        self.manager = manager
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __call__(self, name: str, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = getattr(self.manager, name)(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams):
+    """(manager, num_blocks, full-group probe or None) for one engine at one budget."""
+    from vllm_mimo.block_manager.manager import HybridKVCacheManager
+    from vllm_mimo.compat import KVCacheManager
+
+    vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
+    config = kv_cache_config(LAYOUTS[layout_name], kv_bytes, vllm_config)
+    common = dict(max_model_len=params.max_model_len, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE)
+    if engine == "mimo":
+        return HybridKVCacheManager(config, max_num_running=params.max_running, **common), config.num_blocks
+    retention = {"upstream-r0": 0, "upstream-dense": None, "upstream-r512": 512, "swa-free": 0}[engine]
+    config = full_only(config) if engine == "swa-free" else with_retention(config, retention)
+    manager = KVCacheManager(
+        config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
+    )
+    return manager, config.num_blocks
+
+
+def _full_group_hit(manager, request) -> int:
+    """Upstream: tokens the Full group alone holds for this prompt (before window reconciliation)."""
+    from vllm_mimo.compat import FullAttentionManager, FullAttentionSpec
+
+    coordinator = manager.coordinator
+    for gid, group in enumerate(manager.kv_cache_config.kv_cache_groups):
+        if type(group.kv_cache_spec) is FullAttentionSpec:
+            _, hit = FullAttentionManager.find_longest_cache_hit(
+                request.block_hashes,
+                request.num_tokens - 1,
+                [gid],
+                coordinator.block_pool,
+                group.kv_cache_spec,
+                False,
+                BLOCK_SIZE,
+            )
+            return hit
+    return 0
+
+
+def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayRequest], ideal: list[int],
+             params: SimParams, progress: bool = True) -> RunResult:
+    from vllm_mimo.compat import Request, RequestStatus, get_request_block_hasher, init_none_hash
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+
+    manager, num_blocks = make_manager(engine, layout, int(kv_gib * GIB), params)
+    call = _Timed(manager)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    result = RunResult(engine, kv_gib, num_blocks, requests=len(requests))
+    is_mimo = engine == "mimo"
+    peak: dict[str, int] = {}
+
+    pending = deque(range(len(requests)))
+    waiting: deque = deque()
+    running: list = []
+    outputs: dict[str, list[int]] = {}
+    in_prefill: dict[str, bool] = {}
+    now, wall0, last_report = 0.0, time.perf_counter(), 0.0
+    finished = 0
+
+    def make_request(i: int):
+        r = requests[i]
+        outputs[str(i)] = list(segment_tokens(r.output))
+        req = Request(
+            str(i), tokens(r.prompt), SamplingParams(max_tokens=r.output.length), None,
+            arrival_time=r.arrival_s, block_hasher=hasher,
+        )
+        return req
+
+    def preempt(victim) -> None:
+        call("free", victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        in_prefill[victim.request_id] = True
+        waiting.appendleft(victim)
+        result.preemptions += 1
+
+    while pending or waiting or running:
+        while pending and requests[pending[0]].arrival_s <= now:
+            i = pending.popleft()
+            waiting.append(make_request(i))
+            in_prefill[str(i)] = True
+        if not waiting and not running:
+            now = requests[pending[0]].arrival_s
+            continue
+        budget = params.token_budget
+        scheduled: dict[str, int] = {}
+        preempted = False
+        idx = 0
+        while idx < len(running) and budget > 0:
+            req = running[idx]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                if call("allocate_slots", req, n) is not None:
+                    break
+                victim = running.pop()
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)
+                preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status == RequestStatus.PREEMPTED:
+                continue
+            scheduled[req.request_id] = n
+            budget -= n
+            idx += 1
+        while waiting and budget > 0 and len(running) < params.max_running and not preempted:
+            req = waiting[0]
+            full_hit = 0 if is_mimo else _full_group_hit(manager, req)
+            blocks, hit, boundary = call("get_computed_blocks", req)
+            req.shared_prefix_boundary = boundary
+            n = min(req.num_tokens - hit, budget)
+            new = call(
+                "allocate_slots", req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
+                full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
+            )
+            if new is None:
+                break
+            waiting.popleft()
+            if req.num_preemptions == 0:
+                result.prompt_tokens += req.num_prompt_tokens
+                result.hit_tokens += hit
+                result.ideal_hit_tokens += ideal[int(req.request_id)]
+                if not is_mimo:
+                    result.full_hit_tokens += max(full_hit, hit)
+                    result.pseudo_hit_tokens += max(0, full_hit - hit)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit
+            running.append(req)
+            scheduled[req.request_id] = n
+            budget -= n
+
+        if not scheduled:
+            req = waiting[0]
+            raise ValueError(
+                f"{kv_gib} GiB ({num_blocks} blocks) cannot hold request {req.request_id} "
+                f"({req.num_tokens} tokens) even with nothing else running"
+            )
+        held = _held_blocks(manager, is_mimo)
+        for pool, blocks_held in held.items():
+            peak[pool] = max(peak.get(pool, 0), blocks_held)
+        prefill_tokens = sum(n for rid, n in scheduled.items() if in_prefill[rid])
+        result.recomputed_prefill_tokens += prefill_tokens
+        now += params.decode_s_per_step + prefill_tokens * params.prefill_s_per_token
+        by_id = {req.request_id: req for req in running}
+        for rid, n in scheduled.items():
+            req = by_id[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that did not reach the end
+            in_prefill[rid] = False
+            out = outputs[rid]
+            req.append_output_token_ids(out[req.num_output_tokens])
+            if req.num_output_tokens >= len(out):
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                call("free", req)
+                running.remove(req)
+                finished += 1
+        if progress and time.perf_counter() - last_report > 5:
+            last_report = time.perf_counter()
+            print(
+                f"\r  {engine:<15} {kv_gib:>7.2f} GiB  {finished}/{len(requests)} done  "
+                f"sim {now:8.1f}s  wall {last_report - wall0:6.1f}s",
+                end="", file=sys.stderr, flush=True,
+            )
+    if progress:
+        print("\r" + " " * 90 + "\r", end="", file=sys.stderr)
+    if is_mimo:
+        m = manager.metrics
+        result.full_hit_tokens = m.full_cached_tokens
+        result.pseudo_hit_tokens = m.pseudo_hit_tokens
+        assert m.hit_tokens == result.hit_tokens, (m.hit_tokens, result.hit_tokens)
+        result.anchors = {"kept": dict(m.anchors_kept), "evicted": dict(m.anchors_evicted)}
+    result.peak_blocks = peak
+    result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
+    result.sim_seconds = now
+    result.wall_seconds = time.perf_counter() - wall0
+    return result
+
+
+def _held_blocks(manager, is_mimo: bool) -> dict[str, int]:
+    """Blocks held by running requests (cached-only blocks not counted), per pool."""
+    if is_mimo:
+        pools = manager.pools
+        return {
+            "swa": pools.used[0] - manager._swa_retained,
+            "full": pools.used[1] - manager._full_cached_unref,
+        }
+    pool = manager.block_pool
+    return {"shared": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}
+
+
+def print_table(runs: list[RunResult]) -> None:
+    baseline = {r.kv_gib: r for r in runs if r.engine == "upstream-r0"}
+    header = (
+        f"{'engine':<15}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
+        f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'us/call':>9}{'x r0':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in runs:
+        base = baseline.get(r.kv_gib)
+        ratio = f"{r.hit_tokens / base.hit_tokens:6.2f}" if base and base.hit_tokens else "     -"
+        print(
+            f"{r.engine:<15}{r.kv_gib:>8.2f}{r.num_blocks:>9}{r.prompt_tokens:>11}{r.ideal_hit_tokens:>11}"
+            f"{r.hit_tokens:>11}{100 * r.hit_ratio:>6.1f}%{100 * r.fraction_of_ideal:>8.1f}%"
+            f"{r.pseudo_hit_tokens:>10}{r.recomputed_prefill_tokens:>11}{r.preemptions:>8}"
+            f"{r.mean_us_per_call:>9.0f} {ratio}"
+        )
+
+
+def plot(runs: list[RunResult], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for engine in dict.fromkeys(r.engine for r in runs):
+        points = sorted((r.kv_gib, 100 * r.hit_ratio) for r in runs if r.engine == engine)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=engine)
+    ideal = sorted({(r.kv_gib, 100 * r.ideal_hit_tokens / r.prompt_tokens) for r in runs if r.prompt_tokens})
+    if ideal:
+        ax.axhline(ideal[0][1], color="gray", linestyle=":", label="ideal (unlimited memory)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV cache budget (GiB)")
+    ax.set_ylabel("hit ratio (% of prompt tokens)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
+    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload from eval/workloads.py")
+    parser.add_argument("--layout", required=True, help=f"model layout: {', '.join(LAYOUTS)}")
+    parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated engines (default: all): {','.join(ENGINES)}")
+    parser.add_argument("--max-requests", type=int, help="replay only the first N requests, N >= 1")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
+    parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")
+    parser.add_argument("--json", type=Path, help="write the runs as JSON here")
+    parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    args = parser.parse_args(argv)
+
+    if args.layout not in LAYOUTS:
+        parser.error(f"unknown layout {args.layout!r}; known layouts: {', '.join(LAYOUTS)}")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        parser.error(f"unknown engine(s) {unknown}; known engines: {', '.join(ENGINES)}")
+    if any(not g > 0 for g in args.kv_gib):
+        parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
+    if args.max_requests is not None and args.max_requests < 1:
+        parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
+    if args.max_running < 1:
+        parser.error(f"--max-running must be >= 1, got {args.max_running}")
+    if not args.scale > 0:
+        parser.error(f"--scale must be > 0, got {args.scale}")
+
+    from eval.workloads import TraceError
+
+    try:
+        requests = read_mooncake(args.trace) if args.trace else make_workload(args.workload, args.seed, args.scale)
+    except (TraceError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.max_requests:
+        requests = requests[: args.max_requests]
+    params = SimParams(max_running=args.max_running)
+    too_long = [i for i, r in enumerate(requests) if r.prompt_len + r.output.length > params.max_model_len]
+    if too_long:
+        print(f"error: request {too_long[0]} is longer than max_model_len {params.max_model_len}", file=sys.stderr)
+        return 2
+    source_name = str(args.trace) if args.trace else args.workload
+    print(f"replay: {source_name}, {len(requests)} requests, layout {args.layout}, engines {','.join(engines)}", file=sys.stderr)
+    ideal = ideal_hits(requests)
+
+    runs = []
+    for kv_gib in args.kv_gib:
+        for engine in engines:
+            try:
+                runs.append(simulate(engine, args.layout, kv_gib, requests, ideal, params, progress=not args.quiet))
+            except ValueError as e:
+                print(f"error: {engine} at {kv_gib} GiB: {e}", file=sys.stderr)
+                return 2
+    print_table(runs)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "source": source_name, "layout": args.layout, "params": asdict(params),
+            "runs": [r.as_dict() for r in runs],
+        }, indent=2) + "\n")
+    if args.plot:
+        plot(runs, args.plot, f"{source_name} on {args.layout}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,248 @@
+"""Seeded agentic workloads and Mooncake-format traces, as token-level requests.
+
+    python -m eval.workloads NAME --write-mooncake OUT.jsonl [--seed S] [--scale X]
+
+A request's prompt is a tuple of `Segment`s (seeded pseudo-random token runs), so shared
+prefixes are shared segments and nothing is materialised until the replay needs the tokens.
+
+Workloads:
+  shared-system-prompt  a few ~2,000-token system prompts shared by many users; each user is a
+                        multi-turn session whose next prompt is the previous prompt, the answer
+                        and a new message; outputs of 20-150 tokens, like tool calls.
+  agent-sessions        agent loops: a shared tool prompt, then steps that append a tool result
+                        and a short answer, growing to 32K tokens and more.
+  mixed                 both, plus unrelated one-shot prompts.
+
+Mooncake format (FAST'25 trace): one JSON object per line with `timestamp` (ms),
+`input_length`, `output_length` and `hash_ids`, each id a 512-token block, equal ids = equal
+tokens (ids are chained: an id also fixes everything before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+MOONCAKE_BLOCK = 512
+VOCAB = (1000, 60000)  # token ids drawn from this range
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` tokens drawn from a generator seeded with `key`."""
+
+    key: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    arrival_s: float
+    prompt: tuple[Segment, ...]
+    output: Segment
+    """The tokens the engine will "generate" (a later turn's prompt may contain them)."""
+
+    @property
+    def prompt_len(self) -> int:
+        return sum(s.length for s in self.prompt)
+
+
+@lru_cache(maxsize=4096)
+def segment_tokens(segment: Segment) -> tuple[int, ...]:
+    rng = np.random.default_rng(segment.key)
+    size = max(segment.length, MOONCAKE_BLOCK) if segment.key >= MOONCAKE_KEY_BASE else segment.length
+    return tuple(rng.integers(*VOCAB, size=size)[: segment.length].tolist())
+
+
+def tokens(segments: tuple[Segment, ...]) -> list[int]:
+    out: list[int] = []
+    for segment in segments:
+        out.extend(segment_tokens(segment))
+    return out
+
+
+MOONCAKE_KEY_BASE = 1 << 40  # keys of Mooncake blocks: base + hash id
+
+
+class _Keys:
+    """Fresh segment keys from one seeded stream."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self._next = seed * 1_000_003 + 1
+
+    def segment(self, low: int, high: int) -> Segment:
+        self._next += 1
+        return Segment(self._next, int(self.rng.integers(low, high + 1)))
+
+
+def shared_system_prompt(seed: int, scale: float = 1.0, start_s: float = 0.0, keys: _Keys | None = None) -> list[ReplayRequest]:
+    keys = keys or _Keys(seed)
+    rng = keys.rng
+    systems = [keys.segment(1500, 2500) for _ in range(6)]
+    popularity = 1.0 / np.arange(1, len(systems) + 1)  # Zipf: a few prompts are most users'
+    popularity /= popularity.sum()
+    requests = []
+    users = max(2, int(150 * scale))
+    t = start_s
+    for _ in range(users):
+        t += float(rng.exponential(0.8))
+        prompt: tuple[Segment, ...] = (systems[int(rng.choice(len(systems), p=popularity))],)
+        arrival = t
+        for _ in range(int(rng.integers(2, 7))):
+            prompt = prompt + (keys.segment(30, 400),)
+            output = keys.segment(20, 150)
+            requests.append(ReplayRequest(arrival, prompt, output))
+            prompt = prompt + (output,)
+            arrival += float(rng.uniform(8, 40))  # the user reads and types
+    return requests
+
+
+def agent_sessions(seed: int, scale: float = 1.0, start_s: float = 0.0, keys: _Keys | None = None) -> list[ReplayRequest]:
+    keys = keys or _Keys(seed + 17)
+    rng = keys.rng
+    tool_prompts = [keys.segment(2500, 4000) for _ in range(3)]
+    requests = []
+    t = start_s
+    for _ in range(max(1, int(14 * scale))):
+        t += float(rng.exponential(6.0))
+        prompt: tuple[Segment, ...] = (tool_prompts[int(rng.integers(len(tool_prompts)))], keys.segment(100, 600))
+        arrival = t
+        target = int(rng.integers(24_000, 40_000))
+        while True:
+            output = keys.segment(20, 150)
+            requests.append(ReplayRequest(arrival, prompt, output))
+            prompt = prompt + (output, keys.segment(200, 2000))  # the answer, then a tool result
+            arrival += float(rng.uniform(2, 8))
+            if sum(s.length for s in prompt) > target:
+                break
+    return requests
+
+
+def one_shot(seed: int, scale: float = 1.0, keys: _Keys | None = None, span_s: float = 600.0) -> list[ReplayRequest]:
+    keys = keys or _Keys(seed + 31)
+    rng = keys.rng
+    return [
+        ReplayRequest(float(rng.uniform(0, span_s)), (keys.segment(500, 4000),), keys.segment(20, 300))
+        for _ in range(max(1, int(60 * scale)))
+    ]
+
+
+def mixed(seed: int, scale: float = 1.0) -> list[ReplayRequest]:
+    keys = _Keys(seed + 51)
+    return (
+        shared_system_prompt(seed, scale * 0.6, keys=keys)
+        + agent_sessions(seed, scale * 0.6, keys=keys)
+        + one_shot(seed, scale, keys=keys)
+    )
+
+
+WORKLOADS: dict[str, Callable[..., list[ReplayRequest]]] = {
+    "shared-system-prompt": shared_system_prompt,
+    "agent-sessions": agent_sessions,
+    "mixed": mixed,
+}
+
+
+def make_workload(name: str, seed: int = 0, scale: float = 1.0) -> list[ReplayRequest]:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    return sorted(WORKLOADS[name](seed, scale), key=lambda r: r.arrival_s)
+
+
+# ------------------------------------------------------------------ Mooncake traces
+
+
+class TraceError(ValueError):
+    """A malformed Mooncake trace line."""
+
+
+def write_mooncake(requests: list[ReplayRequest], path: Path) -> None:
+    """Write requests as a Mooncake trace: 512-token blocks get chained ids by content."""
+    ids: dict[tuple, int] = {}
+    with open(path, "w") as f:
+        for r in requests:
+            toks = tokens(r.prompt)
+            hash_ids, prev = [], -1
+            for start in range(0, len(toks), MOONCAKE_BLOCK):
+                key = (prev, tuple(toks[start : start + MOONCAKE_BLOCK]))
+                prev = ids.setdefault(key, len(ids))
+                hash_ids.append(prev)
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": round(r.arrival_s * 1000),
+                        "input_length": len(toks),
+                        "output_length": r.output.length,
+                        "hash_ids": hash_ids,
+                    }
+                )
+                + "\n"
+            )
+
+
+def read_mooncake(path: Path) -> list[ReplayRequest]:
+    """Read a Mooncake trace; a malformed line stops with the file and line number."""
+    requests = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{where}: not JSON ({e})") from None
+            for field in ("timestamp", "input_length", "output_length", "hash_ids"):
+                if field not in record:
+                    raise TraceError(f"{where}: missing field {field!r}")
+            n_in, n_out, hash_ids = record["input_length"], record["output_length"], record["hash_ids"]
+            for field, value in (("timestamp", record["timestamp"]), ("input_length", n_in), ("output_length", n_out)):
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                    raise TraceError(f"{where}: {field} must be a non-negative number, got {value!r}")
+            if n_in < 1 or n_out < 1:
+                raise TraceError(f"{where}: input_length and output_length must be >= 1")
+            if not isinstance(hash_ids, list) or not all(isinstance(h, int) and h >= 0 for h in hash_ids):
+                raise TraceError(f"{where}: hash_ids must be a list of non-negative integers")
+            need = -(-int(n_in) // MOONCAKE_BLOCK)
+            if len(hash_ids) < need:
+                raise TraceError(
+                    f"{where}: input_length {n_in} needs {need} hash ids of {MOONCAKE_BLOCK} tokens, "
+                    f"got {len(hash_ids)}"
+                )
+            blocks = [Segment(MOONCAKE_KEY_BASE + h, MOONCAKE_BLOCK) for h in hash_ids[:need]]
+            tail = int(n_in) - MOONCAKE_BLOCK * (need - 1)
+            blocks[-1] = Segment(blocks[-1].key, tail)
+            output = Segment(MOONCAKE_KEY_BASE * 2 + lineno, int(n_out))
+            requests.append(ReplayRequest(record["timestamp"] / 1000.0, tuple(blocks), output))
+    if not requests:
+        raise TraceError(f"{path}: no requests")
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.workloads", description="Write a workload as a Mooncake-format trace.")
+    parser.add_argument("workload", choices=sorted(WORKLOADS), help="which workload to generate")
+    parser.add_argument("--write-mooncake", required=True, metavar="OUT.jsonl", help="trace file to write")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--scale", type=float, default=1.0, help="size multiplier, > 0 (default: 1.0)")
+    args = parser.parse_args(argv)
+    if not args.scale > 0:
+        parser.error(f"--scale {args.scale} must be > 0")
+    requests = make_workload(args.workload, args.seed, args.scale)
+    write_mooncake(requests, Path(args.write_mooncake))
+    print(f"wrote {len(requests)} requests to {args.write_mooncake}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

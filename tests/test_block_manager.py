@@ -1,0 +1,288 @@
+"""Unit tests of the hybrid KV manager's pieces: pools, prefix tree, anchors, and the manager."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kv_helpers import BLOCK, kv_config, make_request
+from vllm_mimo.block_manager.anchors import AnchorKind
+from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout
+from vllm_mimo.block_manager.manager import AnchorHintError, HybridKVCacheManager, declared_anchors
+from vllm_mimo.block_manager.pools import BlockPools, Pool
+from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, window_safe_blocks
+from vllm_mimo.compat import RequestStatus
+from vllm_mimo.config import MimoConfig, MimoConfigError
+
+# ------------------------------------------------------------------------ pools
+
+
+def test_pools_split_the_ids_and_keep_the_null_block_out():
+    pools = BlockPools(num_blocks=10, swa_blocks=3)
+    assert pools.home_size == (3, 6)
+    swa = [pools.take(Pool.SWA, borrow=False) for _ in range(3)]
+    full = [pools.take(Pool.FULL, borrow=False) for _ in range(6)]
+    assert sorted(swa) == [1, 2, 3] and sorted(full) == [4, 5, 6, 7, 8, 9]
+    pools.check_integrity()
+
+
+def test_an_empty_pool_borrows_the_free_block_nearest_the_boundary_and_it_goes_home():
+    pools = BlockPools(num_blocks=10, swa_blocks=3)
+    for _ in range(3):
+        pools.take(Pool.SWA, borrow=False)
+    with pytest.raises(RuntimeError):
+        pools.take(Pool.SWA, borrow=False)
+    borrowed = pools.take(Pool.SWA, borrow=True)
+    assert borrowed == 4 and pools.owner(4) == Pool.SWA and pools.borrowed[Pool.SWA] == 1
+    pools.give_back(borrowed)
+    assert pools.owner(4) == Pool.FULL and pools.num_free(Pool.FULL) == 6
+    pools.check_integrity()
+
+
+def test_a_pool_split_must_leave_both_pools_a_block():
+    with pytest.raises(ValueError, match="between 1 and 8"):
+        BlockPools(num_blocks=10, swa_blocks=9)
+
+
+# ------------------------------------------------------------------------ tree
+
+
+def _chain(tree: PrefixTree, n: int, swa: set[int] | None = None, prefix: str = "h") -> list[Node]:
+    nodes, parent = [], tree.root
+    for i in range(n):
+        node = tree.child(parent, f"{prefix}{i}")
+        tree.set_full(node, (100 + i,))
+        if swa is None or i in swa:
+            node.swa_blocks = (200 + i,)
+        nodes.append(node)
+        parent = node
+    return nodes
+
+
+def test_window_safe_length_needs_the_window_before_it():
+    tree = PrefixTree()
+    path = _chain(tree, 6, swa={0, 1, 3, 4})
+    # window of 2 blocks: a hit of L blocks needs SWA on nodes L-2, L-1
+    assert window_safe_blocks(path, 2) == 5
+    assert window_safe_blocks(path[:4], 2) == 2
+    assert window_safe_blocks(path[:3], 2) == 2
+    assert window_safe_blocks(path, 0) == 6
+
+
+def test_match_returns_full_and_window_safe_lengths_without_mutating():
+    tree = PrefixTree()
+    _chain(tree, 6, swa={4, 5})
+    before = [(n.full_refs, n.swa_refs, n.last_access) for n in tree.nodes.values()]
+    match = tree.match([f"h{i}" for i in range(8)], max_blocks=10, window_blocks=2)
+    assert match.full_blocks == 6 and match.safe_blocks == 6 and match.pseudo_blocks == 0
+    match = tree.match([f"h{i}" for i in range(8)], max_blocks=5, window_blocks=2)
+    assert match.full_blocks == 5 and match.safe_blocks == 0
+    assert match.limiting_node is match.path[0]
+    assert before == [(n.full_refs, n.swa_refs, n.last_access) for n in tree.nodes.values()]
+
+
+def test_match_stops_at_the_first_block_without_full_kv():
+    tree = PrefixTree()
+    nodes = _chain(tree, 4)
+    tree.set_full(nodes[3], None)
+    assert tree.match(["h0", "h1", "h2", "h3"], 10, 1).full_blocks == 3
+
+
+def test_full_eviction_is_leaf_first_lru_and_pinned_paths_last():
+    tree = PrefixTree()
+    a = _chain(tree, 3, prefix="a")
+    b = _chain(tree, 2, prefix="b")
+    for i, node in enumerate(a + b):
+        node.last_access = {0: 5, 1: 5, 2: 5, 3: 1, 4: 9}[i]
+        tree.offer_full_victim(node)
+    for node in b:
+        node.pins_below = 1
+    order = []
+    while (node := tree.pop_full_victim()) is not None:
+        order.append(node.block_hash)
+        tree.set_full(node, None)
+    assert order == ["a2", "a1", "a0", "b1", "b0"]
+
+
+def test_prune_removes_empty_leaves_up_the_path():
+    tree = PrefixTree()
+    nodes = _chain(tree, 3, swa=set())
+    for node in reversed(nodes):
+        tree.set_full(node, None)
+    tree.prune(nodes[2])
+    assert tree.nodes == {}
+    tree.check_integrity()
+
+
+# --------------------------------------------------------------------- geometry
+
+
+def test_geometry_reads_groups_and_window():
+    geo = KVGeometry.from_kv_cache_config(kv_config(64, window=40, swa_groups=3))
+    assert geo.full_group_ids == (0,) and geo.swa_group_ids == (1, 2, 3)
+    assert geo.window_blocks == 3 and geo.swa_blocks_per_request == 3 * 4
+
+
+def test_geometry_rejects_a_non_hybrid_config():
+    with pytest.raises(UnsupportedKVLayout, match="needs Full and SWA groups"):
+        KVGeometry.from_kv_cache_config(kv_config(64, swa_groups=0))
+
+
+# ---------------------------------------------------------------------- manager
+
+
+def _manager(num_blocks: int = 400, **config) -> HybridKVCacheManager:
+    return HybridKVCacheManager(
+        kv_config(num_blocks), 4096, BLOCK, BLOCK, max_num_running=4,
+        mimo_config=MimoConfig(**{"grid_anchor_tokens": 0, **config}),
+    )
+
+
+def _run(manager, request, output: list[int], chunk: int = 10_000) -> int:
+    """Admit, prefill in chunks, decode `output`, finish; return the hit at admission."""
+    blocks, hit, _ = manager.get_computed_blocks(request)
+    n = min(request.num_tokens - hit, chunk)
+    assert manager.allocate_slots(request, n, hit, blocks) is not None
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = hit + n
+    manager.check_integrity()
+    while request.num_computed_tokens < request.num_tokens:
+        n = min(request.num_tokens - request.num_computed_tokens, chunk)
+        assert manager.allocate_slots(request, n) is not None
+        request.num_computed_tokens += n
+        manager.check_integrity()
+    for token in output:
+        request.append_output_token_ids(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        manager.check_integrity()
+    request.status = RequestStatus.FINISHED_STOPPED
+    manager.free(request)
+    manager.check_integrity()
+    return hit
+
+
+SYSTEM = list(range(1000, 1000 + 10 * BLOCK))  # 10 blocks
+
+
+def test_next_turn_hits_through_the_previous_output():
+    m = _manager()
+    first = make_request("t1", SYSTEM + [7] * 20)
+    _run(m, first, output=list(range(50, 90)))
+    turn2 = make_request("t2", first.all_token_ids[:-1] + [8] * 30)
+    blocks, hit, _ = m.get_computed_blocks(turn2)
+    assert hit == (first.num_tokens - 1) // BLOCK * BLOCK
+    assert m.anchors_of_kind(AnchorKind.OUTPUT_END)
+
+
+def test_first_sibling_misses_without_an_anchor_and_the_third_hits_the_branch_point():
+    m = _manager()
+    _run(m, make_request("u1", SYSTEM + [1] * 40), output=[5] * 40)
+    second = make_request("u2", SYSTEM + [2] * 40)
+    assert _run(m, second, output=[6]) == 0
+    assert m.metrics.pseudo_hit_tokens == len(SYSTEM)
+    assert m.anchors_of_kind(AnchorKind.BRANCH)
+    assert _run(m, make_request("u3", SYSTEM + [3] * 40), output=[7]) == len(SYSTEM)
+
+
+def test_declared_anchor_makes_the_first_sibling_hit():
+    m = _manager()
+    extra = {"mimo": {"anchors": [len(SYSTEM)], "pin": True}}
+    _run(m, make_request("u1", SYSTEM + [1] * 40, extra_args=extra), output=[5] * 40)
+    declared = m.anchors_of_kind(AnchorKind.DECLARED)
+    assert len(declared) == 1 and declared[0].pinned
+    assert _run(m, make_request("u2", SYSTEM + [2] * 40), output=[6]) == len(SYSTEM)
+    assert m.metrics.pseudo_hit_tokens == 0
+
+
+def test_hot_prefix_anchor_after_enough_distinct_requests_reuse_it():
+    m = _manager(hot_prefix_min_hits=3)
+    _run(m, make_request("u1", SYSTEM + [1] * 40), output=[5])  # computes the prefix
+    _run(m, make_request("u2", SYSTEM + [2] * 40), output=[5])  # reuses it: 1
+    _run(m, make_request("u3", SYSTEM + [3] * 40), output=[5])  # 2
+    assert not m.anchors_of_kind(AnchorKind.HOT)
+    _run(m, make_request("u4", SYSTEM + [4] * 40), output=[5])  # 3
+    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    assert hot.node.depth + 1 == len(SYSTEM) // BLOCK
+
+
+def test_prompt_end_anchor_serves_a_retry_of_the_same_prompt():
+    m = _manager()
+    prompt = SYSTEM + [1] * 40
+    _run(m, make_request("r1", prompt), output=[5] * 40)
+    assert m.anchors_of_kind(AnchorKind.PROMPT_END)
+    blocks, hit, _ = m.get_computed_blocks(make_request("r2", prompt))
+    assert hit == (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def test_grid_anchors_every_n_tokens_of_the_prompt():
+    m = _manager(grid_anchor_tokens=4 * BLOCK)
+    _run(m, make_request("g", SYSTEM + [1] * 40), output=[5])
+    grid = sorted(a.node.depth + 1 for a in m.anchors_of_kind(AnchorKind.GRID))
+    tail = [a.node.depth + 1 for a in m.anchors_of_kind(AnchorKind.PROMPT_TAIL)]
+    assert grid == [4] and tail == [8]  # 12 is the prompt end
+
+
+def test_anchor_budget_evicts_least_recently_used_anchors_first():
+    m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 6 windows of 3 ids
+    for i in range(12):
+        _run(m, make_request(f"s{i}", [9000 + i] * 60), output=[5] * 30)
+    assert m._swa_retained <= m.anchor_budget_blocks
+    assert sum(m.metrics.anchors_evicted.values()) > 0
+
+
+def test_running_request_keeps_only_its_window_of_swa_blocks():
+    m = _manager()
+    req = make_request("long", list(range(2000, 2000 + 40 * BLOCK)))
+    _run(m, req, output=[], chunk=3 * BLOCK)  # check_integrity bounds SWA blocks every step
+
+
+def test_preempted_request_is_released_without_end_anchors():
+    m = _manager()
+    req = make_request("p", SYSTEM + [1] * 40)
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, req.num_tokens, hit, blocks) is not None
+    req.status = RequestStatus.RUNNING
+    m.free(req)  # preemption: the scheduler frees a running request
+    m.check_integrity()
+    assert not m.anchors_of_kind(AnchorKind.OUTPUT_END)
+    assert m.pools.used[Pool.SWA] == m._swa_retained
+
+
+def test_allocation_fails_cleanly_when_the_pools_cannot_hold_it():
+    m = _manager(num_blocks=60)
+    req = make_request("big", list(range(3000, 3000 + 80 * BLOCK)))
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, req.num_tokens, hit, blocks) is None
+    m.check_integrity()
+    assert m.pools.used == [0, 0]
+
+
+def test_reset_prefix_cache_empties_the_tree_when_idle():
+    m = _manager()
+    _run(m, make_request("x", SYSTEM + [1] * 40), output=[5] * 10)
+    assert m.reset_prefix_cache()
+    assert not m.tree.nodes and len(m.anchors) == 0 and m.pools.used == [0, 0]
+
+
+def test_split_too_small_for_one_window_is_a_startup_error():
+    with pytest.raises(MimoConfigError, match="fewer than one request's window"):
+        _manager(num_blocks=400, swa_pool_fraction=0.01)
+
+
+@pytest.mark.parametrize(
+    "hints,message",
+    [
+        ({"mimo": [1]}, "must be an object"),
+        ({"mimo": {"anchor": [1]}}, "unknown keys"),
+        ({"mimo": {"anchors": [0]}}, "positive token positions"),
+        ({"mimo": {"anchors": [3], "pin": "yes"}}, "true or false"),
+    ],
+)
+def test_bad_anchor_hints_are_rejected(hints, message):
+    with pytest.raises(AnchorHintError, match=message):
+        declared_anchors(hints)
+
+
+def test_anchor_hints_parse():
+    assert declared_anchors({"mimo": {"anchors": [10, 20], "pin": True}}) == ([10, 20], True)
+    assert declared_anchors(None) == ([], False)

@@ -1,0 +1,79 @@
+"""eval/replay.py: predicted hits on a hand-made trace, a smoke run, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval import replay
+from eval.workloads import TraceError, read_mooncake
+
+DATA = Path(__file__).with_name("data")
+
+
+def _run(tmp_path, *args: str) -> dict:
+    out = tmp_path / "replay.json"
+    assert replay.main([*args, "--json", str(out), "--quiet"]) == 0
+    return {(r["engine"], r["kv_gib"]): r for r in json.loads(out.read_text())["runs"]}
+
+
+def test_hand_made_trace_hits_are_the_predicted_ones(tmp_path):
+    """A: blocks [0,1]; B: the same again; C: [0,2]; D: [0,3] (512-token blocks, ample memory).
+
+    upstream r0: B hits its prompt-end tail (1008 = 1023 rounded down to 16); C is the first
+    sibling at the 512-token junction and gets nothing (the junction is learned then); D hits 512.
+    mimo: the same 1008 for B, and C already hits 512 through A's grid anchor; so does D.
+    """
+    runs = _run(tmp_path, "--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro",
+                "--kv-gib", "4", "--engines", "upstream-r0,swa-free,mimo")
+    assert runs[("upstream-r0", 4.0)]["hit_tokens"] == 1008 + 0 + 512
+    assert runs[("upstream-r0", 4.0)]["pseudo_hit_tokens"] == 512
+    assert runs[("mimo", 4.0)]["hit_tokens"] == 1008 + 512 + 512
+    assert runs[("mimo", 4.0)]["pseudo_hit_tokens"] == 0
+    assert runs[("swa-free", 4.0)]["hit_tokens"] == runs[("mimo", 4.0)]["ideal_hit_tokens"] == 2032
+
+
+def test_smoke_run_on_a_small_workload(tmp_path):
+    runs = _run(tmp_path, "--workload", "shared-system-prompt", "--layout", "mimo-v2.5-pro",
+                "--kv-gib", "1", "4", "--max-requests", "40")
+    assert {engine for engine, _ in runs} == set(replay.ENGINES)
+    for run in runs.values():
+        for key in ("prompt_tokens", "ideal_hit_tokens", "hit_tokens", "pseudo_hit_tokens",
+                    "recomputed_prefill_tokens", "peak_blocks", "mean_us_per_call"):
+            assert key in run
+        assert 0 <= run["hit_tokens"] <= run["ideal_hit_tokens"] <= run["prompt_tokens"]
+    assert set(runs[("mimo", 4.0)]["peak_blocks"]) == {"swa", "full"}
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"timestamp": 0, "input_length": 10, "output_length": 2}', "missing field 'hash_ids'"),
+        ('{"timestamp": 0, "input_length": -5, "output_length": 2, "hash_ids": [1]}', "non-negative"),
+        ('{"timestamp": 0, "input_length": 1500, "output_length": 2, "hash_ids": [1, 2]}', "needs 3 hash ids"),
+        ("not json", "not JSON"),
+    ],
+)
+def test_malformed_trace_line_names_file_and_line(tmp_path, line, message):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n' + line + "\n")
+    with pytest.raises(TraceError, match=rf"bad.jsonl:2: .*{message}"):
+        read_mooncake(trace)
+    assert replay.main(["--trace", str(trace), "--layout", "mimo-v2.5-pro", "--kv-gib", "1"]) == 2
+
+
+def test_unknown_layout_and_engine_list_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        replay.main(["--workload", "mixed", "--layout", "llama-70b", "--kv-gib", "1"])
+    assert "known layouts: mimo-v2.5-pro" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        replay.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "1", "--engines", "lru"])
+    assert "known engines: upstream-r0" in capsys.readouterr().err
+
+
+def test_budget_too_small_for_one_request_says_so(tmp_path, capsys):
+    assert replay.main(["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro",
+                        "--kv-gib", "0.02", "--quiet"]) == 2
+    assert "cannot hold" in capsys.readouterr().err

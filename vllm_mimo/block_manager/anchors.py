@@ -1,0 +1,111 @@
+"""SWA anchors: positions whose preceding window of SWA KV is kept after requests move on.
+
+An anchor ends at a tree node (a block boundary). It covers that node and the ancestors a hit
+there needs (`window_blocks` nodes); while it lives, their SWA blocks are not freed. Anchors
+are evicted least recently used first, pinned anchors last, whenever the SWA KV they retain
+exceeds the anchor budget or the SWA pool needs the blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from enum import Enum
+
+from vllm_mimo.block_manager.prefix_tree import Node
+
+
+class AnchorKind(str, Enum):
+    DECLARED = "declared"  # SamplingParams.extra_args["mimo"]["anchors"], or the chat API
+    HOT = "hot"  # a node reused by at least `hot_prefix_min_hits` distinct requests
+    BRANCH = "branch"  # a node with two or more children: a shared-prefix junction
+    PROMPT_END = "prompt_end"  # where a request's prompt ends
+    OUTPUT_END = "output_end"  # where a finished request's output ends (the next turn's prefix)
+    GRID = "grid"  # every `grid_anchor_tokens` of a prompt, where a later request may branch off
+    PROMPT_TAIL = "prompt_tail"  # the last grid point before a prompt's end
+
+
+SPECULATIVE_KINDS = frozenset(
+    {AnchorKind.GRID, AnchorKind.PROMPT_TAIL, AnchorKind.PROMPT_END, AnchorKind.OUTPUT_END}
+)
+"""Anchors placed on every request in case a later one branches there; most never serve."""
+
+
+class Anchor:
+    """An anchor ending at `node`; `window` are the nodes whose SWA KV it keeps."""
+
+    __slots__ = ("node", "window", "kinds", "pinned", "last_used", "served")
+
+    def __init__(
+        self, node: Node, window: list[Node], kind: AnchorKind, pinned: bool, now: float
+    ) -> None:
+        self.node = node
+        self.window = window
+        self.kinds = {kind}
+        self.pinned = pinned
+        self.last_used = now  # creation or the latest hit that ended at it
+        self.served = False  # whether a hit has ended at it
+
+    def __repr__(self) -> str:
+        kinds = ",".join(sorted(k.value for k in self.kinds))
+        return f"Anchor(depth={self.node.depth}, {kinds}{', pinned' if self.pinned else ''})"
+
+
+class AnchorSet:
+    """Live anchors in eviction order: least recently used first, pinned after all others."""
+
+    def __init__(self) -> None:
+        self._unpinned: OrderedDict[int, Anchor] = OrderedDict()
+        self._pinned: OrderedDict[int, Anchor] = OrderedDict()
+        self.created: Counter[AnchorKind] = Counter()
+        self.served: Counter[AnchorKind] = Counter()
+
+    def usefulness(self, kind: AnchorKind) -> float:
+        """Share of this kind's anchors that served a hit so far (1/2 before any evidence)."""
+        return (self.served[kind] + 1) / (self.created[kind] + 2)
+
+    def record_hit(self, anchor: Anchor, now: float) -> None:
+        """A hit ended at `anchor`."""
+        if not anchor.served:
+            anchor.served = True
+            self.served.update(anchor.kinds)
+        self.touch(anchor, now)
+
+    def __len__(self) -> int:
+        return len(self._unpinned) + len(self._pinned)
+
+    def __iter__(self) -> Iterator[Anchor]:
+        yield from self._unpinned.values()
+        yield from self._pinned.values()
+
+    def add(self, anchor: Anchor) -> None:
+        (self._pinned if anchor.pinned else self._unpinned)[id(anchor)] = anchor
+        self.created.update(anchor.kinds)
+
+    def remove(self, anchor: Anchor) -> None:
+        (self._pinned if anchor.pinned else self._unpinned).pop(id(anchor))
+
+    def touch(self, anchor: Anchor, now: float) -> None:
+        """Mark as just used: last in its eviction order."""
+        anchor.last_used = now
+        (self._pinned if anchor.pinned else self._unpinned).move_to_end(id(anchor))
+
+    def demote(self, anchor: Anchor) -> None:
+        """Mark as no longer needed: first in its eviction order."""
+        anchor.last_used = float("-inf")
+        (self._pinned if anchor.pinned else self._unpinned).move_to_end(id(anchor), last=False)
+
+    def pin(self, anchor: Anchor) -> None:
+        if not anchor.pinned:
+            self._unpinned.pop(id(anchor))
+            anchor.pinned = True
+            self._pinned[id(anchor)] = anchor
+
+    def oldest(self, pinned: bool) -> Anchor | None:
+        """The least recently used pinned or unpinned anchor."""
+        queue = self._pinned if pinned else self._unpinned
+        return next(iter(queue.values())) if queue else None
+
+    def clear(self) -> None:
+        self._unpinned.clear()
+        self._pinned.clear()

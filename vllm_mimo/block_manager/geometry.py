@@ -1,0 +1,84 @@
+"""The shape of a hybrid KV cache, read from vLLM's `KVCacheConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class UnsupportedKVLayout(ValueError):
+    """The KV cache groups are not a Full + SWA hybrid the plugin's manager can drive."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Block size, window and which KV cache groups are Full and which SWA.
+
+    Every group aliases one backing buffer of `num_blocks` blocks (block 0 is vLLM's null
+    block), so a block id is owned by one group at a time.
+    """
+
+    block_size: int
+    num_blocks: int
+    window: int
+    full_group_ids: tuple[int, ...]
+    swa_group_ids: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.full_group_ids) + len(self.swa_group_ids)
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks of SWA KV a hit at a block boundary needs before it: the W - 1 previous tokens."""
+        return cdiv(self.window - 1, self.block_size)
+
+    @property
+    def swa_blocks_per_request(self) -> int:
+        """SWA block ids one decoding request holds: its window plus the block being written."""
+        return len(self.swa_group_ids) * (self.window_blocks + 1)
+
+    @classmethod
+    def from_kv_cache_config(cls, kv_cache_config: Any) -> "KVGeometry":
+        from vllm_mimo.compat import FullAttentionSpec, RSWASpec, SlidingWindowSpec
+
+        full: list[int] = []
+        swa: list[int] = []
+        windows: set[int] = set()
+        block_sizes: set[int] = set()
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                swa.append(gid)
+                windows.add(spec.sliding_window)
+            elif isinstance(spec, FullAttentionSpec) and not (
+                RSWASpec is not None and isinstance(spec, RSWASpec)
+            ):
+                full.append(gid)
+            else:
+                raise UnsupportedKVLayout(
+                    f"KV cache group {gid} has a {type(spec).__name__}; the hybrid KV manager "
+                    "handles only full-attention and sliding-window groups"
+                )
+            block_sizes.add(spec.block_size)
+        if not full or not swa:
+            raise UnsupportedKVLayout(
+                f"the hybrid KV manager needs Full and SWA groups, got {len(full)} Full and "
+                f"{len(swa)} SWA groups"
+            )
+        if len(block_sizes) != 1:
+            raise UnsupportedKVLayout(
+                f"KV cache groups use block sizes {sorted(block_sizes)}; the hybrid KV manager "
+                "needs one block size for every group"
+            )
+        return cls(
+            block_size=block_sizes.pop(),
+            num_blocks=kv_cache_config.num_blocks,
+            window=max(windows),
+            full_group_ids=tuple(full),
+            swa_group_ids=tuple(swa),
+        )

@@ -1,0 +1,687 @@
+"""HybridKVCacheManager: separate Full/SWA pools, the dual-index prefix tree and SWA anchors.
+
+It offers the methods and attributes vLLM's `Scheduler` uses on its `KVCacheManager`, so the
+scheduler (and the replay in `eval/replay.py`) drives either one through the same calls.
+
+Per running request it keeps, for every block position, the Full block ids (one per Full group)
+and, inside the SWA mask, the SWA block ids (one per SWA group): the last W tokens, plus the
+blocks of the tokens scheduled in the current step (vLLM's attention backends read a prefill
+chunk's own keys from the cache). Everything older is released: kept in the tree while an anchor
+covers it, freed otherwise. A request holds a reference on every tree node of its prefix, so an
+unreferenced node never has a referenced descendant and Full eviction can always go leaf-first.
+
+How a pool gets a block when its free list is empty (see `pools.py` for the boundary):
+  Full: evict its least recently used unreferenced leaf; else borrow a free SWA block.
+  SWA:  borrow a free Full block; else evict a Full leaf and borrow the freed block (a prefill
+        chunk's transient SWA blocks are paid by the Full cache, as in upstream vLLM, not by the
+        anchors); else evict the least recently used anchor (pinned last).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_mimo.block_manager.anchors import SPECULATIVE_KINDS, Anchor, AnchorKind, AnchorSet
+from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cdiv
+from vllm_mimo.block_manager.metrics import KVManagerMetrics
+from vllm_mimo.block_manager.pools import BlockPools, Pool
+from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, TreeMatch
+from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks
+from vllm_mimo.config import MimoConfig, MimoConfigError
+
+
+# Below this share of anchors that served a hit, new speculative anchors of a kind start at the
+# front of the eviction order: kept when memory is plentiful, first to go when it is not.
+_USEFUL_SHARE = 0.25
+
+
+class AnchorHintError(ValueError):
+    """A request's `extra_args["mimo"]` anchor hints are malformed."""
+
+
+def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
+    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]`, validated."""
+    hints = (extra_args or {}).get("mimo")
+    if hints is None:
+        return [], False
+    if not isinstance(hints, dict):
+        raise AnchorHintError(f'extra_args["mimo"] must be an object, got {hints!r}')
+    unknown = set(hints) - {"anchors", "pin"}
+    if unknown:
+        raise AnchorHintError(
+            f'unknown keys {sorted(unknown)} in extra_args["mimo"]; allowed: anchors, pin'
+        )
+    positions = hints.get("anchors", [])
+    pin = hints.get("pin", False)
+    if not isinstance(positions, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in positions
+    ):
+        raise AnchorHintError(
+            f'extra_args["mimo"]["anchors"] must be a list of positive token positions, '
+            f"got {positions!r}"
+        )
+    if not isinstance(pin, bool):
+        raise AnchorHintError(f'extra_args["mimo"]["pin"] must be true or false, got {pin!r}')
+    return positions, pin
+
+
+def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_blocks: int) -> int:
+    """SWA pool size: every running request's window, plus the anchor budget."""
+    running = max_running * geometry.swa_blocks_per_request
+    return max(geometry.swa_blocks_per_request, min(running + anchor_budget_blocks, (geometry.num_blocks - 1) // 2))
+
+
+@dataclass
+class _RequestBlocks:
+    """A running request's blocks, by block position."""
+
+    full: list[tuple[int, ...]] = field(default_factory=list)
+    swa: list[tuple[int, ...] | None] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    """Tree nodes of the prefix, each holding one Full reference for this request."""
+    swa_start: int = 0
+    """Positions below this hold no SWA blocks."""
+    num_cached: int = 0
+    """Positions already offered to the tree."""
+    step_blocks: int = 0
+    """Positions allocated by the latest allocate_slots call."""
+    anchor_ends: dict[int, tuple[AnchorKind, bool]] = field(default_factory=dict)
+    """Anchors to place when caching reaches these block counts: kind, pinned."""
+
+
+class HybridKVCacheManager:
+    """vLLM's KV cache manager surface over two pools and a dual-index prefix tree."""
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        *,
+        enable_caching: bool = True,
+        log_stats: bool = False,
+        mimo_config: MimoConfig | None = None,
+        max_num_running: int = 256,
+        **_vllm_kwargs: Any,
+    ) -> None:
+        geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
+        if hash_block_size != geometry.block_size or scheduler_block_size != geometry.block_size:
+            raise UnsupportedKVLayout(
+                f"hash block size {hash_block_size} and scheduler block size "
+                f"{scheduler_block_size} must equal the KV block size {geometry.block_size}"
+            )
+        config = mimo_config or MimoConfig()
+        self.geometry = geometry
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.block_size = geometry.block_size
+        self.window_blocks = geometry.window_blocks
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self._full_gids = geometry.full_group_ids
+        self._swa_gids = geometry.swa_group_ids
+        self._n_full = len(self._full_gids)
+        self._n_swa = len(self._swa_gids)
+
+        self.anchor_budget_blocks = int(config.anchor_budget_fraction * (geometry.num_blocks - 1))
+        if config.swa_pool_fraction is None:
+            swa_blocks = auto_swa_pool_blocks(geometry, max_num_running, self.anchor_budget_blocks)
+        else:
+            swa_blocks = round(config.swa_pool_fraction * (geometry.num_blocks - 1))
+        if swa_blocks < geometry.swa_blocks_per_request:
+            raise MimoConfigError(
+                f"swa_pool_fraction={config.swa_pool_fraction} gives the SWA pool {swa_blocks} of "
+                f"{geometry.num_blocks - 1} blocks, fewer than one request's window needs "
+                f"({geometry.swa_blocks_per_request} = {self._n_swa} SWA groups x "
+                f"{geometry.window_blocks + 1} blocks); raise it or leave it null (auto)"
+            )
+        self.pools = BlockPools(geometry.num_blocks, swa_blocks)
+        self.hot_prefix_min_hits = config.hot_prefix_min_hits
+        self.grid_anchor_blocks = config.grid_anchor_tokens // geometry.block_size
+        self.tree = PrefixTree()
+        self.anchors = AnchorSet()
+        self.metrics = KVManagerMetrics()
+
+        self._kv_blocks = [KVCacheBlock(i) for i in range(geometry.num_blocks)]
+        self.null_block = self._kv_blocks[0]
+        self.null_block.is_null = True
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._matches: dict[str, TreeMatch] = {}
+        self._full_cached_unref = 0  # Full block ids in unreferenced nodes (all evictable)
+        self._swa_retained = 0  # SWA block ids kept only by anchors
+        self._tick = 0
+
+    # ----------------------------------------------------------------- lookups
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The window-safe prefix hit: (blocks per group, hit tokens, 0). Does not mutate."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0, 0
+        limit = request.num_tokens - 1
+        if max_cache_hit_length is not None:
+            limit = min(limit, max_cache_hit_length)
+        match = self.tree.match(request.block_hashes, limit // self.block_size, self.window_blocks)
+        self._matches[request.request_id] = match
+        hit = match.safe_blocks
+        if hit == 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        return self._blocks_for_hit(match.path, hit), hit * self.block_size, 0
+
+    def _blocks_for_hit(self, path: list[Node], hit: int) -> KVCacheBlocks:
+        kv = self._kv_blocks
+        groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
+        for i, gid in enumerate(self._full_gids):
+            groups[gid] = [kv[node.full_blocks[i]] for node in path[:hit]]
+        start = max(0, hit - self.window_blocks)
+        for i, gid in enumerate(self._swa_gids):
+            groups[gid] = [self.null_block] * start + [kv[node.swa_blocks[i]] for node in path[start:hit]]
+        return KVCacheBlocks(tuple(groups))
+
+    # -------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """Slots for `num_new_tokens` (+ lookahead) more tokens; None if the pools can't hold them."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
+        if num_external_computed_tokens:
+            raise UnsupportedKVLayout("the hybrid KV manager does not take KV from a KV connector")
+        self._tick += 1
+        rid = request.request_id
+        state = self._requests.get(rid)
+        admitting = state is None
+        total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        bs = self.block_size
+
+        hit = num_new_computed_tokens // bs
+        if state is not None:
+            self._drop_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
+            hit_path: list[Node] = []
+            have_full, have_swa = len(state.full), len(state.swa)
+        else:
+            hit_path = self._adoptable_path(request, num_new_computed_tokens)
+            have_full, have_swa = hit + self._takeover_count(hit_path, hit), hit
+
+        end = cdiv(num_slots, bs)
+        full_positions, swa_positions = max(0, end - have_full), max(0, end - have_swa)
+        need_full, need_swa = full_positions * self._n_full, swa_positions * self._n_swa
+        evictable = self._full_cached_unref + self._swa_retained
+        if hit_path:  # adopting these takes them out of the evictable sets
+            evictable -= self._n_full * sum(1 for n in hit_path if n.full_refs == 0)
+            evictable -= self._n_swa * sum(
+                1 for n in hit_path[max(0, hit - self.window_blocks) : hit] if n.swa_refs == 0
+            )
+        if full_sequence_must_fit:
+            total = cdiv(min(request.num_tokens, self.max_model_len), bs) - have_full
+            if not self._fits(max(need_full, total * self._n_full) + need_swa, evictable):
+                return None
+        if not self._fits(need_full + need_swa, evictable):
+            return None
+
+        if state is None:
+            state = _RequestBlocks()
+            self._adopt(state, hit_path, hit, have_full - hit)
+        new_full, new_swa = self._take(need_full, need_swa)
+        kv = self._kv_blocks
+        groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
+        for p in range(full_positions):
+            full = tuple(new_full[p * self._n_full : (p + 1) * self._n_full])
+            state.full.append(full)
+            for i, gid in enumerate(self._full_gids):
+                groups[gid].append(kv[full[i]])
+        for p in range(swa_positions):
+            swa = tuple(new_swa[p * self._n_swa : (p + 1) * self._n_swa])
+            state.swa.append(swa)
+            for i, gid in enumerate(self._swa_gids):
+                groups[gid].append(kv[swa[i]])
+        state.step_blocks = swa_positions
+
+        if admitting:
+            self._requests[rid] = state
+            self._on_admit(request, state, num_new_computed_tokens)
+        if not delay_cache_blocks and self.enable_caching:
+            self._cache(request, state, min(total_computed + num_new_tokens, request.num_tokens))
+        self._enforce_anchor_budget()
+        return KVCacheBlocks(tuple(groups)) if full_positions or swa_positions else self.empty_kv_cache_blocks
+
+    def _adoptable_path(self, request: Any, num_new_computed_tokens: int) -> list[Node]:
+        """The matched Full path of a request being admitted with a hit of that many tokens."""
+        match = self._matches.pop(request.request_id, None)
+        hit = num_new_computed_tokens // self.block_size
+        if hit == 0:
+            if match is None or any(n.full_blocks is None for n in match.path):
+                return []
+            return match.path
+        if match is None or match.safe_blocks < hit or any(n.full_blocks is None for n in match.path):
+            match = self.tree.match(
+                request.block_hashes, (request.num_tokens - 1) // self.block_size, self.window_blocks
+            )
+        if match.safe_blocks < hit:
+            raise ValueError(
+                f"request {request.request_id}: {num_new_computed_tokens} computed tokens passed in, "
+                f"but only {match.safe_blocks * self.block_size} are a window-safe hit"
+            )
+        return match.path
+
+    @staticmethod
+    def _takeover_count(path: list[Node], hit: int) -> int:
+        """Pseudo-hit nodes right after the hit that no running request references."""
+        count = 0
+        for node in path[hit:]:
+            if node.full_refs:
+                break
+            count += 1
+        return count
+
+    def _adopt(self, state: _RequestBlocks, path: list[Node], hit: int, takeover: int) -> None:
+        """Take references on a hit: Full blocks of `path[:hit]` and the SWA window before `hit`.
+
+        The rest of the Full path (a pseudo hit) is referenced too, keeping the request's prefix
+        in the tree. The request recomputes those tokens: into the nodes' own Full blocks for
+        the first `takeover` of them (nobody else is reading them, and vLLM caches blocks at
+        schedule time the same way), into blocks of its own for the rest.
+        """
+        tick = self._tick
+        for node in path:
+            if node.full_refs == 0:
+                self._full_cached_unref -= self._n_full
+            node.full_refs += 1
+            node.last_access = tick
+        state.nodes = list(path)
+        state.full = [node.full_blocks for node in path[: hit + takeover]]
+        start = max(0, hit - self.window_blocks)
+        state.swa = [None] * start
+        for node in path[start:hit]:
+            if node.swa_refs == 0:
+                self._swa_retained -= self._n_swa
+            node.swa_refs += 1
+            state.swa.append(node.swa_blocks)
+        state.swa_start = start
+        state.num_cached = hit
+        anchor = path[hit - 1].anchor if hit else None
+        if anchor is not None:
+            self.anchors.record_hit(anchor, tick)
+            if anchor.kinds <= SPECULATIVE_KINDS and len(path) == hit:
+                # The next step of a session going on from where the last one ended: that
+                # anchor has done its job (this request leaves its own further on).
+                self.anchors.demote(anchor)
+
+    def _on_admit(self, request: Any, state: _RequestBlocks, hit_tokens: int) -> None:
+        """Metrics, hot-prefix anchors and the anchors this request asks for."""
+        bs = self.block_size
+        full_tokens = len(state.nodes) * bs
+        if request.num_preemptions == 0:
+            m = self.metrics
+            m.prompt_tokens += request.num_prompt_tokens
+            m.hit_tokens += hit_tokens
+            m.full_cached_tokens += full_tokens
+            m.pseudo_hit_tokens += full_tokens - hit_tokens
+            m.recomputed_swa_tokens += full_tokens - hit_tokens
+            if state.nodes:
+                # Where this request's cached prefix ends is where it leaves what others
+                # computed: a junction. Count the distinct requests that stop at it.
+                junction = state.nodes[-1]
+                junction.hit_count += 1
+                if junction.hit_count >= self.hot_prefix_min_hits:
+                    self._add_anchor(junction, AnchorKind.HOT, pinned=False)
+        else:
+            self.metrics.preempted_hit_tokens += hit_tokens
+        positions, pinned = declared_anchors(getattr(request.sampling_params, "extra_args", None))
+        ends = {p // bs: (AnchorKind.DECLARED, pinned) for p in positions if p // bs}
+        # The longest hit a resend of the same prompt can take (vLLM recomputes the last token).
+        if (request.num_prompt_tokens - 1) // bs:
+            ends.setdefault((request.num_prompt_tokens - 1) // bs, (AnchorKind.PROMPT_END, False))
+        for end, (kind, pin) in ends.items():
+            if end <= len(state.nodes):  # already in the tree (hit or pseudo hit)
+                self._add_anchor(state.nodes[end - 1], kind, pin)
+            else:
+                state.anchor_ends[end] = (kind, pin)
+
+    def _fits(self, need: int, evictable: int) -> bool:
+        """Whether `_take` can find `need` block ids: free ones first, then by evicting."""
+        pools = self.pools
+        return need <= pools.num_free(Pool.SWA) + pools.num_free(Pool.FULL) + evictable
+
+    def _take(self, need_full: int, need_swa: int) -> tuple[list[int], list[int]]:
+        """Block ids for both pools: own free, then borrowed free, then evicting (LRU)."""
+        full: list[int] = []
+        swa: list[int] = []
+        while self._take_free(full, need_full, Pool.FULL) | self._take_free(swa, need_swa, Pool.SWA):
+            if not self._evict_lru():
+                raise AssertionError("allocation plan and pools disagree")
+        return full, swa
+
+    def _take_free(self, out: list[int], need: int, pool: Pool) -> bool:
+        """Free blocks (own first, then borrowed) into `out` up to `need`; True if still short."""
+        pools = self.pools
+        while len(out) < need and (pools.num_free(pool) or pools.num_free(Pool(1 - pool))):
+            out.append(pools.take(pool, borrow=True))
+        return len(out) < need
+
+    # ------------------------------------------------------------ tree updates
+
+    def _cache(self, request: Any, state: _RequestBlocks, num_tokens: int) -> None:
+        """Offer the request's newly full blocks to the tree, and place anchors that fall due."""
+        end = min(num_tokens // self.block_size, len(request.block_hashes), len(state.full))
+        tree, tick = self.tree, self._tick
+        grid, prompt_blocks = self.grid_anchor_blocks, (request.num_prompt_tokens - 1) // self.block_size
+        for pos in range(state.num_cached, end):
+            if pos < len(state.nodes):
+                node = state.nodes[pos]  # from the hit path: Full present, not ours
+            else:
+                parent = state.nodes[pos - 1] if pos else tree.root
+                node = tree.child(parent, request.block_hashes[pos])
+                if node.full_blocks is None:
+                    tree.set_full(node, state.full[pos])
+                elif node.full_refs == 0:
+                    self._full_cached_unref -= self._n_full
+                node.full_refs += 1
+                node.last_access = tick
+                state.nodes.append(node)
+                if len(parent.children) == 2 and parent is not tree.root:
+                    self._add_anchor(parent, AnchorKind.BRANCH, pinned=False)
+            ids = state.swa[pos]
+            if ids is not None and node.swa_blocks is None:
+                node.swa_blocks = ids
+                node.swa_refs += 1
+            due = state.anchor_ends.pop(pos + 1, None)
+            if due is not None:
+                self._add_anchor(node, due[0], pinned=due[1])
+            elif grid and (pos + 1) % grid == 0 and pos < prompt_blocks and node.anchor is None:
+                last = (pos + 1) + grid >= prompt_blocks
+                self._add_anchor(node, AnchorKind.PROMPT_TAIL if last else AnchorKind.GRID, pinned=False)
+        state.num_cached = max(state.num_cached, end)
+
+    def _drop_out_of_window(self, state: _RequestBlocks, processed_tokens: int) -> None:
+        """Release SWA blocks outside the window that ends at the last full block boundary.
+
+        That is at most one block more than the running queries read, and it means the request
+        always holds the SWA KV an anchor at its latest block boundary needs.
+        """
+        bs = self.block_size
+        first_needed = max(0, processed_tokens // bs * bs - self.geometry.window + 1) // bs
+        nodes = state.nodes
+        for pos in range(state.swa_start, min(first_needed, len(state.swa))):
+            ids = state.swa[pos]
+            if ids is None:
+                continue
+            state.swa[pos] = None
+            node = nodes[pos] if pos < len(nodes) else None
+            if node is not None and node.swa_blocks is ids:
+                self._release_swa(node)
+            else:
+                self._give_back(ids)
+        state.swa_start = max(state.swa_start, first_needed)
+
+    def _release_swa(self, node: Node) -> None:
+        node.swa_refs -= 1
+        if node.swa_refs == 0:
+            if node.anchor_refs:
+                self._swa_retained += self._n_swa
+            else:
+                self._give_back(node.swa_blocks)
+                node.swa_blocks = None
+                self.tree.prune(node)
+
+    def _give_back(self, ids: Iterable[int]) -> None:
+        for block_id in ids:
+            self.pools.give_back(block_id)
+
+    # ----------------------------------------------------------------- anchors
+
+    def _add_anchor(self, node: Node, kind: AnchorKind, pinned: bool) -> None:
+        if self.window_blocks == 0:
+            return
+        anchor = node.anchor
+        if anchor is not None:
+            anchor.kinds.add(kind)
+            if pinned and not anchor.pinned:
+                self.anchors.pin(anchor)
+                self._add_pins(node, +1)
+            self.anchors.touch(anchor, self._tick)
+            return
+        anchor = Anchor(node, self.tree.window(node, self.window_blocks), kind, pinned, self._tick)
+        node.anchor = anchor
+        for covered in anchor.window:
+            covered.anchor_refs += 1
+        self.anchors.add(anchor)
+        if kind in SPECULATIVE_KINDS and self.anchors.usefulness(kind) < _USEFUL_SHARE:
+            self.anchors.demote(anchor)
+        if pinned:
+            self._add_pins(node, +1)
+        self.metrics.anchors_kept[kind.value] += 1
+
+    def _drop_anchor(self, anchor: Anchor) -> None:
+        self.anchors.remove(anchor)
+        anchor.node.anchor = None
+        if anchor.pinned:
+            self._add_pins(anchor.node, -1)
+        for covered in anchor.window:
+            covered.anchor_refs -= 1
+            if covered.anchor_refs == 0 and covered.swa_refs == 0 and covered.swa_blocks is not None:
+                self._swa_retained -= self._n_swa
+                self._give_back(covered.swa_blocks)
+                self.metrics.evicted_blocks[Pool.SWA] += self._n_swa
+                covered.swa_blocks = None
+        for covered in anchor.window:
+            self.tree.prune(covered)
+
+    def _add_pins(self, node: Node, delta: int) -> None:
+        while node is not self.tree.root:
+            node.pins_below += delta
+            if node.pins_below == 0:
+                self.tree.offer_full_victim(node)
+            node = node.parent
+
+    def _evict_anchor(self, anchor: Anchor) -> None:
+        for kind in anchor.kinds:
+            self.metrics.anchors_evicted[kind.value] += 1
+        self._drop_anchor(anchor)
+
+    def _evict_lru(self) -> bool:
+        """Evict whichever was used least recently: the oldest unreferenced Full leaf or the
+        oldest anchor (anything on a pinned anchor's path last). False if nothing is left."""
+        for pinned in (False, True):
+            node = self.tree.peek_full_victim(pinned)
+            anchor = self.anchors.oldest(pinned)
+            if anchor is not None and (node is None or anchor.last_used <= node.last_access):
+                self._evict_anchor(anchor)
+                return True
+            if node is not None:
+                self._evict_full_leaf()
+                return True
+        return False
+
+    def _enforce_anchor_budget(self) -> None:
+        while self._swa_retained > self.anchor_budget_blocks:
+            anchor = self.anchors.oldest(pinned=False) or self.anchors.oldest(pinned=True)
+            if anchor is None:
+                return
+            self._evict_anchor(anchor)
+
+    def _evict_full_leaf(self) -> bool:
+        """Evict the least recently used unreferenced Full leaf (pinned paths last)."""
+        node = self.tree.pop_full_victim()
+        if node is None:
+            return False
+        if node.anchor is not None:  # a hit needs the Full KV too: the anchor is worthless now
+            self._evict_anchor(node.anchor)
+        self._full_cached_unref -= self._n_full
+        self._give_back(node.full_blocks)
+        self.metrics.evicted_blocks[Pool.FULL] += self._n_full
+        self.tree.set_full(node, None)
+        self.tree.prune(node)
+        return True
+
+    # -------------------------------------------------------------- lifecycle
+
+    def free(self, request: Any) -> None:
+        """Release a finished or preempted request's blocks (finished ones leave anchors)."""
+        state = self._requests.pop(request.request_id, None)
+        self._matches.pop(request.request_id, None)
+        if state is None:
+            return
+        if request.is_finished() and state.num_cached and self.enable_caching:
+            end = state.nodes[state.num_cached - 1]
+            self._add_anchor(end, AnchorKind.OUTPUT_END, pinned=False)
+            prompt_end = state.nodes[min((request.num_prompt_tokens - 1) // self.block_size, state.num_cached) - 1]
+            if prompt_end is not end and prompt_end.anchor is not None and prompt_end.anchor.kinds == {AnchorKind.PROMPT_END}:
+                # The next turn continues from the output's end; the prompt's end now only
+                # serves a retry of the same prompt, so it goes first when memory is short.
+                self.anchors.demote(prompt_end.anchor)
+        nodes = state.nodes
+        for pos in range(state.swa_start, len(state.swa)):
+            ids = state.swa[pos]
+            if ids is None:
+                continue
+            node = nodes[pos] if pos < len(nodes) else None
+            if node is not None and node.swa_blocks is ids:
+                self._release_swa(node)
+            else:
+                self._give_back(ids)
+        for pos, ids in enumerate(state.full):
+            if pos >= len(nodes) or nodes[pos].full_blocks is not ids:
+                self._give_back(ids)
+        for node in reversed(nodes):
+            node.full_refs -= 1
+            if node.full_refs == 0:
+                self._full_cached_unref += self._n_full
+                self.tree.offer_full_victim(node)
+        self._enforce_anchor_budget()
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._drop_out_of_window(state, processed_computed_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; refused (False) while requests hold blocks."""
+        if self._requests:
+            return False
+        for anchor in list(self.anchors):
+            self._drop_anchor(anchor)
+        while self._evict_full_leaf():
+            pass
+        assert not self.tree.nodes, "reset left nodes in the tree"
+        self.tree.clear()
+        return True
+
+    # ------------------------------------------------------- vLLM's surface
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV blocks held by running requests (cached-only blocks count as free)."""
+        held = self.pools.used[0] + self.pools.used[1] - self._full_cached_unref - self._swa_retained
+        return held / (self.geometry.num_blocks - 1)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        state = self._requests.get(request_id)
+        if state is None:
+            return self.empty_kv_cache_blocks
+        kv, null = self._kv_blocks, self.null_block
+        groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
+        for i, gid in enumerate(self._full_gids):
+            groups[gid] = [kv[ids[i]] for ids in state.full]
+        for i, gid in enumerate(self._swa_gids):
+            groups[gid] = [null if ids is None else kv[ids[i]] for ids in state.swa]
+        return KVCacheBlocks(tuple(groups))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is not None and self.enable_caching:
+            self._cache(request, state, num_computed_tokens)
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def anchors_of_kind(self, kind: AnchorKind) -> list[Anchor]:
+        """Live anchors that include `kind`."""
+        return [a for a in self.anchors if kind in a.kinds]
+
+    # ------------------------------------------------------------- checking
+
+    def check_integrity(self) -> None:
+        """Verify every invariant of pools, tree, anchors and requests (slow; for tests)."""
+        self.pools.check_integrity()
+        self.tree.check_integrity()
+        pools, n_full, n_swa = self.pools, self._n_full, self._n_swa
+        owner: dict[int, str] = {}
+
+        def own(ids: Iterable[int], who: str, pool: Pool) -> None:
+            for block_id in ids:
+                assert block_id != 0, f"{who} holds the null block"
+                assert block_id not in owner, f"block {block_id} owned by {owner[block_id]} and {who}"
+                assert pools.owner(block_id) == pool, f"{who} holds block {block_id} of the other pool"
+                owner[block_id] = who
+
+        full_refs: dict[int, int] = {}
+        swa_refs: dict[int, int] = {}
+        for rid, state in self._requests.items():
+            for node in state.nodes:
+                full_refs[id(node)] = full_refs.get(id(node), 0) + 1
+            for pos, ids in enumerate(state.full):
+                node = state.nodes[pos] if pos < len(state.nodes) else None
+                if node is None or node.full_blocks is not ids:
+                    own(ids, f"request {rid} full@{pos}", Pool.FULL)
+            live = 0
+            for pos, ids in enumerate(state.swa):
+                if ids is None:
+                    assert pos < state.swa_start or pos >= len(state.full), (rid, pos)
+                    continue
+                live += 1
+                assert pos >= state.swa_start, (rid, pos)
+                node = state.nodes[pos] if pos < len(state.nodes) else None
+                if node is not None and node.swa_blocks is ids:
+                    swa_refs[id(node)] = swa_refs.get(id(node), 0) + 1
+                else:
+                    own(ids, f"request {rid} swa@{pos}", Pool.SWA)
+            bound = self.window_blocks + 1 + state.step_blocks
+            assert live <= bound, f"request {rid} holds {live} SWA positions, bound {bound}"
+            for i, node in enumerate(state.nodes):
+                assert node.depth == i, (rid, i, node)
+        anchor_refs: dict[int, int] = {}
+        for anchor in self.anchors:
+            assert anchor.node.anchor is anchor
+            for node in anchor.window:
+                anchor_refs[id(node)] = anchor_refs.get(id(node), 0) + 1
+        unref_full = retained = 0
+        for node in self.tree.nodes.values():
+            assert node.full_refs == full_refs.get(id(node), 0), (node, full_refs.get(id(node), 0))
+            assert node.swa_refs == swa_refs.get(id(node), 0), (node, swa_refs.get(id(node), 0))
+            assert node.anchor_refs == anchor_refs.get(id(node), 0), node
+            if node.full_blocks is not None:
+                own(node.full_blocks, f"node {node.depth} full", Pool.FULL)
+                unref_full += n_full if node.full_refs == 0 else 0
+            if node.swa_blocks is not None:
+                own(node.swa_blocks, f"node {node.depth} swa", Pool.SWA)
+                retained += n_swa if node.swa_refs == 0 else 0
+        assert unref_full == self._full_cached_unref, (unref_full, self._full_cached_unref)
+        assert retained == self._swa_retained, (retained, self._swa_retained)
+        assert retained <= max(self.anchor_budget_blocks, 0) or not self.anchors, "anchor budget exceeded"
+        assert len(owner) == pools.used[0] + pools.used[1], (len(owner), pools.used)
