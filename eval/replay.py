@@ -38,6 +38,7 @@ from eval.layouts import (
     model_less_vllm_config,
     with_retention,
 )
+from vllm_mimo.config import MimoConfig
 from eval.workloads import WORKLOADS, ReplayRequest, make_workload, read_mooncake, segment_tokens, tokens
 
 ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo")
@@ -168,6 +169,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     from vllm.utils.hashing import sha256
 
     manager, num_blocks = make_manager(engine, layout, int(kv_gib * GIB), params)
+    # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens).
+    chunk_cap = MimoConfig().prefill_chunk_tokens if engine == "mimo" else 0
     call = _Timed(manager)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
@@ -215,7 +218,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         idx = 0
         while idx < len(running) and budget > 0:
             req = running[idx]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap or budget)
             while True:
                 if call("allocate_slots", req, n) is not None:
                     break
@@ -236,7 +239,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             full_hit = 0 if is_mimo else _full_group_hit(manager, req)
             blocks, hit, boundary = call("get_computed_blocks", req)
             req.shared_prefix_boundary = boundary
-            n = min(req.num_tokens - hit, budget)
+            n = min(req.num_tokens - hit, budget, chunk_cap or budget)
             new = call(
                 "allocate_slots", req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
                 full_sequence_must_fit=True, has_scheduled_reqs=bool(running),

@@ -99,3 +99,28 @@ def test_hybrid_model_gets_the_plugin_scheduler_unless_one_is_given(tiny_models)
     assert _engine_config(tiny_models["llama"]).scheduler_config.scheduler_cls is None
     off = _engine_config(tiny_models["gemma3"], additional_config={"mimo": {"enable": False}})
     assert off.scheduler_config.scheduler_cls is None
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"hot_prefix_min_hits": 1}, r"hot_prefix_min_hits=1 is out of range; allowed: 2 <= value <= 1000000"),
+        ({"swa_pool_fraction": 0.95}, r"swa_pool_fraction=0.95 is out of range; allowed: 0.01 <= value <= 0.9"),
+        ({"anchor_budget_fraction": -0.1}, r"anchor_budget_fraction=-0.1 is out of range"),
+    ],
+)
+def test_out_of_range_value_fails_at_vllm_startup(tiny_models, section, message):
+    with pytest.raises(Exception, match=message):
+        _engine_config(tiny_models["mimo"], additional_config={"mimo": section})
+
+
+def test_out_of_range_environment_value(monkeypatch):
+    monkeypatch.setenv("VLLM_MIMO_GRID_ANCHOR_TOKENS", "-1")
+    with pytest.raises(MimoConfigError, match=r"VLLM_MIMO_GRID_ANCHOR_TOKENS=-1 is out of range; allowed: 0 <= value"):
+        MimoConfig.from_sources(None)
+
+
+def test_null_means_auto_for_the_pool_split():
+    assert MimoConfig.from_sources({"mimo": {"swa_pool_fraction": None}}, environ={}).swa_pool_fraction is None
+    assert MimoConfig.from_sources(None, environ={"VLLM_MIMO_SWA_POOL_FRACTION": "auto"}).swa_pool_fraction is None
+    assert MimoConfig.from_sources(None, environ={"VLLM_MIMO_SWA_POOL_FRACTION": "0.25"}).swa_pool_fraction == 0.25

@@ -27,6 +27,7 @@ except ImportError:  # 0.32
     )
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 try:  # reference SWA: a full-attention spec subclass that is really windowed
@@ -46,6 +47,7 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheBlocks",
     "KVCacheManager",
+    "PrefixCacheStats",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "RSWASpec",

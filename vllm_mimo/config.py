@@ -79,6 +79,17 @@ class MimoConfig:
             max=1_048_576,
         ),
     )
+    prefill_chunk_tokens: int = field(
+        default=2048,
+        metadata=_key(
+            "Cap on one request's prefill chunk per step (vLLM's long_prefill_token_threshold, "
+            "set only if you did not set it). vLLM's attention backends read a chunk's own "
+            "keys from the cache, so every chunk token needs SWA blocks for that step; "
+            "smaller chunks leave that memory to the prefix cache. 0 keeps vLLM's setting.",
+            min=0,
+            max=1_048_576,
+        ),
+    )
     hot_prefix_min_hits: int = field(
         default=2,
         metadata=_key(

@@ -51,6 +51,9 @@ def install() -> None:
 
         __post_init__._vllm_mimo_hook = True  # type: ignore[attr-defined]
         VllmConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+    from vllm_mimo.metrics import register_collector
+
+    register_collector()
     _registered_in_pid = os.getpid()
 
 
@@ -86,6 +89,8 @@ def configure(vllm_config: Any) -> None:
     scheduler_config.scheduler_cls = (
         ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
     )
+    if config.prefill_chunk_tokens and not scheduler_config.long_prefill_token_threshold:
+        scheduler_config.long_prefill_token_threshold = config.prefill_chunk_tokens
     logger.debug(
         "vllm-mimo: %s: %s; scheduler %s",
         model_config.architecture,

@@ -28,7 +28,7 @@ from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cd
 from vllm_mimo.block_manager.metrics import KVManagerMetrics
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, TreeMatch
-from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks
+from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats
 from vllm_mimo.config import MimoConfig, MimoConfigError
 
 
@@ -73,6 +73,23 @@ def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_b
     return max(geometry.swa_blocks_per_request, min(running + anchor_budget_blocks, (geometry.num_blocks - 1) // 2))
 
 
+@dataclass(frozen=True)
+class GroupView:
+    """What vLLM's engine reads from a per-group manager (`coordinator.single_type_managers`)."""
+
+    kv_cache_group_id: int
+    kv_cache_spec: Any
+    block_size: int
+
+
+@dataclass(frozen=True)
+class CoordinatorView:
+    """The parts of vLLM's KV cache coordinator that the engine and scheduler read."""
+
+    single_type_managers: tuple[GroupView, ...]
+    enable_partial_hash_hits: bool = False
+
+
 @dataclass
 class _RequestBlocks:
     """A running request's blocks, by block position."""
@@ -102,11 +119,14 @@ class HybridKVCacheManager:
         hash_block_size: int,
         *,
         enable_caching: bool = True,
+        use_eagle: bool = False,
         log_stats: bool = False,
         mimo_config: MimoConfig | None = None,
         max_num_running: int = 256,
+        kv_blocks: list[KVCacheBlock] | None = None,
         **_vllm_kwargs: Any,
     ) -> None:
+        """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if hash_block_size != geometry.block_size or scheduler_block_size != geometry.block_size:
             raise UnsupportedKVLayout(
@@ -118,7 +138,12 @@ class HybridKVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        # EAGLE/MTP drafting needs the target's hidden states of the last hit block, so a hit
+        # stops one block short (as upstream's drop_eagle_block does).
+        self.use_eagle = use_eagle
         self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.mamba_shared_prefix_checkpoint = False
         self.block_size = geometry.block_size
         self.window_blocks = geometry.window_blocks
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
@@ -146,7 +171,13 @@ class HybridKVCacheManager:
         self.anchors = AnchorSet()
         self.metrics = KVManagerMetrics()
 
-        self._kv_blocks = [KVCacheBlock(i) for i in range(geometry.num_blocks)]
+        self.coordinator = CoordinatorView(
+            tuple(
+                GroupView(gid, group.kv_cache_spec, group.kv_cache_spec.block_size)
+                for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+            )
+        )
+        self._kv_blocks = kv_blocks or [KVCacheBlock(i) for i in range(geometry.num_blocks)]
         self.null_block = self._kv_blocks[0]
         self.null_block.is_null = True
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
@@ -168,6 +199,8 @@ class HybridKVCacheManager:
         if max_cache_hit_length is not None:
             limit = min(limit, max_cache_hit_length)
         match = self.tree.match(request.block_hashes, limit // self.block_size, self.window_blocks)
+        if self.use_eagle and match.safe_blocks:
+            match = self.tree.match(request.block_hashes, match.safe_blocks - 1, self.window_blocks)
         self._matches[request.request_id] = match
         hit = match.safe_blocks
         if hit == 0:
@@ -619,6 +652,54 @@ class HybridKVCacheManager:
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    @property
+    def anchor_blocks(self) -> int:
+        """SWA block ids kept only by anchors."""
+        return self._swa_retained
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if self.prefix_cache_stats is None or not self.enable_caching or request.skip_reading_prefix_cache:
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """vLLM's prefix-cache stats since the last call (hits are window-safe hits)."""
+        if self.prefix_cache_stats is None:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        state = self._requests.get(request.request_id)
+        return state.num_cached * self.block_size if state else 0
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        n = cdiv(num_computed_tokens, self.block_size)
+        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Cascade attention is gone from vLLM; kept for the scheduler's interface."""
+        return [0] * self.num_kv_cache_groups
+
+    # Channels the plugin's manager never uses: no KV events, copy-on-write copies, block
+    # zeroing or Mamba boundary states. The scheduler drains them every step.
+    def take_events(self) -> list:
+        return []
+
+    def new_step_starts(self) -> None:
+        pass
+
+    def take_kv_cache_block_copies(self) -> tuple[list, list]:
+        return [], []
+
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def take_boundary_state_offloads(self) -> dict:
+        return {}
 
     def anchors_of_kind(self, kind: AnchorKind) -> list[Anchor]:
         """Live anchors that include `kind`."""

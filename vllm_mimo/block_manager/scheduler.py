@@ -1,9 +1,10 @@
-"""The engine-process side of the plugin: vLLM's scheduler with the plugin's setup added.
+"""The engine-process side of the plugin: vLLM's scheduler with the hybrid KV manager installed.
 
 vLLM builds its KV cache manager inside `Scheduler.__init__` and offers no factory, so the
 plugin owns the scheduler class (installed through `SchedulerConfig.scheduler_cls`, see
-`vllm_mimo.hooks`). This is also the one place, in the engine process, where the model's
-KV cache groups are known; the plugin's startup line is logged here.
+`vllm_mimo.hooks`) and swaps in `HybridKVCacheManager` once vLLM's own setup is done. This is
+also the one place, in the engine process, where the model's KV cache groups are known: the
+plugin's startup lines are logged here.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
+from vllm_mimo.block_manager.manager import HybridKVCacheManager
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
+from vllm_mimo.metrics import SnapshotPublisher, manager_snapshot
+
+GIB = 1 << 30
 
 
 class _MimoSchedulerMixin:
@@ -24,6 +30,8 @@ class _MimoSchedulerMixin:
 
     mimo_config: MimoConfig
     mimo_layout: HybridLayout | None
+    mimo_manager: HybridKVCacheManager | None = None
+    _mimo_publisher: SnapshotPublisher | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -42,24 +50,106 @@ class _MimoSchedulerMixin:
                 model,
             )
             return
+        self._install_manager()
         logger.info(
             "vllm-mimo: hybrid SWA model %s: %s; %d KV cache groups; features on: %s",
             model,
             self.mimo_layout.describe(),
             len(self.kv_cache_config.kv_cache_groups),  # type: ignore[attr-defined]
-            ", ".join(enabled_features(self.mimo_config)) or "none",
+            ", ".join(self.mimo_features()) or "none",
         )
+        if self.mimo_manager is not None:
+            self._log_pools()
         log_startup_warnings()
 
+    def mimo_features(self) -> list[str]:
+        """Names of the plugin features running in this engine."""
+        features = ["layout-detection"]
+        if self.mimo_manager is not None:
+            features += ["hybrid-kv-manager", "separate-pools", "swa-anchors"]
+        return features
 
-def enabled_features(config: MimoConfig) -> list[str]:
-    """Names of the plugin features this configuration turns on."""
-    return ["layout-detection"] if config.enable else []
+    def _install_manager(self) -> None:
+        if self.connector is not None:  # type: ignore[attr-defined]
+            logger.warning(
+                "vllm-mimo: a KV connector is configured; the hybrid KV manager does not "
+                "take KV from connectors, so vLLM's own KV manager stays in place"
+            )
+            return
+        upstream = self.kv_cache_manager  # type: ignore[has-type]
+        try:
+            self.mimo_manager = HybridKVCacheManager(
+                self.kv_cache_config,  # type: ignore[attr-defined]
+                self.max_model_len,  # type: ignore[attr-defined]
+                self.block_size,  # type: ignore[attr-defined]
+                self.hash_block_size,  # type: ignore[attr-defined]
+                enable_caching=self.cache_config.enable_prefix_caching,  # type: ignore[attr-defined]
+                use_eagle=self.use_eagle_block_drop,  # type: ignore[attr-defined]
+                log_stats=self.log_stats,  # type: ignore[attr-defined]
+                mimo_config=self.mimo_config,
+                max_num_running=self.max_num_running_reqs,  # type: ignore[attr-defined]
+                kv_blocks=upstream.block_pool.blocks,
+            )
+        except UnsupportedKVLayout as e:
+            logger.warning("vllm-mimo: vLLM's own KV manager stays in place: %s", e)
+            return
+        self.kv_cache_manager = self.mimo_manager
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
+        self._mimo_publish(force=True)
+
+    def _log_pools(self) -> None:
+        manager = self.mimo_manager
+        geometry, pools = manager.geometry, manager.pools
+        # Every group's tensor aliases the same buffer: the largest one is all the KV memory.
+        bytes_per_block = max(
+            t.size for t in self.kv_cache_config.kv_cache_tensors  # type: ignore[attr-defined]
+        ) / geometry.num_blocks
+        described = []
+        for name, blocks, groups in (
+            ("SWA", pools.home_size[0], len(geometry.swa_group_ids)),
+            ("Full", pools.home_size[1], len(geometry.full_group_ids)),
+        ):
+            described.append(
+                f"{name} pool {blocks} blocks = {blocks // groups * geometry.block_size} tokens "
+                f"in {groups} group{'s' if groups > 1 else ''}, "
+                f"{blocks * bytes_per_block / GIB:.3f} GiB"
+            )
+        logger.info(
+            "vllm-mimo: KV pools: %s; block size %d, window %d; anchors may hold %d blocks",
+            "; ".join(described),
+            geometry.block_size,
+            geometry.window,
+            manager.anchor_budget_blocks,
+        )
+
+    def _mimo_publish(self, force: bool = False) -> None:
+        if self._mimo_publisher is None:
+            return
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        self._mimo_publisher.publish(
+            lambda: manager_snapshot(
+                self.mimo_manager,
+                vllm_config.model_config.served_model_name,
+                vllm_config.parallel_config.data_parallel_rank,
+            ),
+            force=force,
+        )
+
+    def make_stats(self, *args: Any, **kwargs: Any):
+        # Called after every step; also the point where the front end learns our counters.
+        self._mimo_publish(force=not self.running)  # type: ignore[attr-defined]
+        return super().make_stats(*args, **kwargs)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        super().shutdown()  # type: ignore[misc]
+        if self._mimo_publisher is not None:
+            self._mimo_publisher.remove()
 
 
 class MimoScheduler(_MimoSchedulerMixin, Scheduler):
-    """vLLM's synchronous scheduler, with the plugin's setup."""
+    """vLLM's synchronous scheduler, with the plugin's KV manager."""
 
 
 class MimoAsyncScheduler(_MimoSchedulerMixin, AsyncScheduler):
-    """vLLM's async scheduler (the GPU default), with the plugin's setup."""
+    """vLLM's async scheduler (the GPU default), with the plugin's KV manager."""

@@ -1,0 +1,173 @@
+"""The hybrid KV manager's counters, from the engine process to `/metrics` and to `LLM()` users.
+
+The manager lives in the engine-core process; `/metrics` is served by the front-end process
+that started it. The engine's scheduler writes a small JSON snapshot (atomically, a few times
+a second and whenever it goes idle) to a file named after the front-end's pid, and:
+
+  * `vllm serve`: a Prometheus collector registered in the front-end turns the snapshot into
+    `vllm:mimo_*` metrics on `/metrics` (counters also get vLLM's `_total` suffix);
+  * `LLM()`: `vllm_mimo.metrics.kv_manager_metrics()` returns the snapshot as a dict; with
+    `LLM(..., disable_log_stats=False)` the same numbers also appear in `llm.get_metrics()`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+_PUBLISH_INTERVAL_S = 0.25
+
+
+def snapshot_path(frontend_pid: int, engine_index: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"vllm-mimo-{frontend_pid}-engine{engine_index}.json")
+
+
+def manager_snapshot(manager: Any, model_name: str, engine_index: int) -> dict:
+    """Everything `/metrics` shows for one engine, from a `HybridKVCacheManager`."""
+    metrics, pools = manager.metrics, manager.pools
+    return {
+        "model_name": model_name,
+        "engine": engine_index,
+        "time": time.time(),
+        "prompt_tokens": metrics.prompt_tokens,
+        "window_safe_hit_tokens": metrics.hit_tokens,
+        "full_cached_tokens": metrics.full_cached_tokens,
+        "pseudo_hit_tokens": metrics.pseudo_hit_tokens,
+        "recomputed_swa_tokens": metrics.recomputed_swa_tokens,
+        "preempted_hit_tokens": metrics.preempted_hit_tokens,
+        "anchors_kept": dict(metrics.anchors_kept),
+        "anchors_evicted": dict(metrics.anchors_evicted),
+        "anchors": len(manager.anchors),
+        "anchor_blocks": manager.anchor_blocks,
+        "pools": {
+            pool: {
+                "blocks": pools.home_size[i],
+                "used_blocks": pools.used[i],
+                "peak_blocks": pools.peak_used[i],
+                "borrowed_blocks": pools.borrowed[i],
+                "evicted_blocks": metrics.evicted_blocks[i],
+            }
+            for i, pool in enumerate(("swa", "full"))
+        },
+    }
+
+
+class SnapshotPublisher:
+    """Writes an engine's snapshot for its front-end, at most every 0.25 s unless forced."""
+
+    def __init__(self, engine_index: int) -> None:
+        self.path = snapshot_path(os.getppid(), engine_index)
+        self._last = 0.0
+
+    def publish(self, snapshot_fn, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < _PUBLISH_INTERVAL_S:
+            return
+        self._last = now
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(snapshot_fn(), f)
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
+def read_snapshots(frontend_pid: int | None = None) -> list[dict]:
+    """Snapshots of the engines this process (or `frontend_pid`) started, by engine index."""
+    pattern = snapshot_path(frontend_pid or os.getpid(), 0).replace("engine0", "engine*")
+    out = []
+    for path in sorted(glob.glob(pattern)):
+        try:
+            with open(path) as f:
+                out.append(json.load(f))
+        except (OSError, json.JSONDecodeError):
+            continue  # replaced or removed while reading: the next scrape sees it
+    return out
+
+
+def kv_manager_metrics() -> dict:
+    """The hybrid KV manager's counters for the engine `LLM()` started in this process."""
+    snapshots = read_snapshots()
+    if not snapshots:
+        raise RuntimeError(
+            "no vllm-mimo KV manager runs under this process: is the model a hybrid "
+            "sliding-window model, the plugin on and the engine started from this process?"
+        )
+    return snapshots[0]
+
+
+_COUNTERS = {
+    "prompt_tokens": "Prompt tokens of requests admitted by the vllm-mimo KV manager.",
+    "window_safe_hit_tokens": "Prompt tokens served from cache in every layer (window-safe hits).",
+    "full_cached_tokens": "Prompt tokens the Full-attention index held at admission.",
+    "pseudo_hit_tokens": "Full-cached prompt tokens recomputed because their SWA window was missing.",
+    "recomputed_swa_tokens": "Tokens whose SWA KV was recomputed while the Full layers had them.",
+}
+_POOL_GAUGES = {
+    "blocks": "KV blocks whose home is this pool.",
+    "used_blocks": "KV blocks this pool holds (running requests and cache).",
+    "peak_blocks": "Most KV blocks this pool has held.",
+}
+_POOL_COUNTERS = {
+    "borrowed_blocks": "Free blocks this pool borrowed from the other pool.",
+    "evicted_blocks": "Cached blocks evicted from this pool.",
+}
+
+
+class MimoCollector:
+    """Prometheus collector: the engines' snapshots as `vllm:mimo_*` metrics."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = read_snapshots()
+        labels = ["model_name", "engine"]
+
+        def family(cls, name, doc, extra=()):
+            return cls(f"vllm:mimo_{name}", doc, labels=labels + list(extra))
+
+        for name, doc in _COUNTERS.items():
+            fam = family(CounterMetricFamily, name, doc)
+            for s in snapshots:
+                fam.add_metric([s["model_name"], str(s["engine"])], s[name])
+            yield fam
+        for name, doc in (("anchors_kept", "SWA anchors created, by kind."),
+                          ("anchors_evicted", "SWA anchors evicted, by kind.")):
+            fam = family(CounterMetricFamily, name, doc, ["kind"])
+            for s in snapshots:
+                for kind, value in s[name].items():
+                    fam.add_metric([s["model_name"], str(s["engine"]), kind], value)
+            yield fam
+        for name, doc in (("anchors", "Live SWA anchors."),
+                          ("anchor_blocks", "SWA blocks kept only by anchors.")):
+            fam = family(GaugeMetricFamily, name, doc)
+            for s in snapshots:
+                fam.add_metric([s["model_name"], str(s["engine"])], s[name])
+            yield fam
+        for table, cls in ((_POOL_GAUGES, GaugeMetricFamily), (_POOL_COUNTERS, CounterMetricFamily)):
+            for name, doc in table.items():
+                fam = family(cls, f"pool_{name}", doc, ["pool"])
+                for s in snapshots:
+                    for pool, values in s["pools"].items():
+                        fam.add_metric([s["model_name"], str(s["engine"]), pool], values[name])
+                yield fam
+
+
+_collector: MimoCollector | None = None
+
+
+def register_collector() -> None:
+    """Add the collector to prometheus_client's default registry (once per process)."""
+    global _collector
+    if _collector is not None:
+        return
+    from prometheus_client import REGISTRY
+
+    _collector = MimoCollector()
+    REGISTRY.register(_collector)
