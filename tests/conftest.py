@@ -34,6 +34,9 @@ class EngineRun:
     batches: list[list[dict]]
     workers: list[dict]
     log: str
+    turns: list[list[dict]]
+    mimo: dict | None
+    preemptions: float | None
 
     def ids(self) -> list[list[list[int]]]:
         return [[o["ids"] for o in batch] for batch in self.batches]
@@ -44,19 +47,28 @@ class EngineRun:
 
 def run_engine(
     model: Path,
-    batches: list[list[list[int]]],
+    batches: list[list] | None = None,
     *,
     env: dict[str, str] | None = None,
     llm_kwargs: dict | None = None,
     max_tokens: int = 16,
-) -> EngineRun:
-    """Run `LLM(model)` in a fresh process over `batches` of token-id prompts (greedy)."""
+    sessions: dict | None = None,
+    record_block_ids: bool = False,
+    expect_failure: bool = False,
+) -> EngineRun | str:
+    """Run `LLM(model)` in a fresh process (see tests/llm_runner.py for the job's fields).
+
+    With `expect_failure`, the engine must fail to start; returns its log.
+    """
     job = {
         "model": str(model),
         "llm_kwargs": {**BASE_LLM_KWARGS, **(llm_kwargs or {})},
         "max_tokens": max_tokens,
-        "batches": batches,
+        "batches": batches or [],
+        "record_block_ids": record_block_ids,
     }
+    if sessions is not None:
+        job["sessions"] = sessions
     proc = subprocess.run(
         [sys.executable, str(RUNNER)],
         input=json.dumps(job),
@@ -67,8 +79,11 @@ def run_engine(
     )
     log = proc.stdout + proc.stderr
     result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if expect_failure:
+        assert proc.returncode != 0 and not result, "the engine started, but should have failed"
+        return log
     if proc.returncode != 0 or not result:
         tail = "\n".join(log.splitlines()[-60:])
         raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{tail}")
     data = json.loads(result[-1][len("RESULT ") :])
-    return EngineRun(data["batches"], data["workers"], log)
+    return EngineRun(data["batches"], data["workers"], log, data["turns"], data["mimo"], data["preemptions"])

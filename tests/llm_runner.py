@@ -1,9 +1,15 @@
 """Run one vLLM `LLM()` engine and print its results as JSON (the tests start this in a subprocess).
 
-Reads a JSON job on stdin: {"model", "llm_kwargs", "max_tokens", "batches": [[[ids...], ...], ...]}.
-Each batch is one `generate` call, in order, so a later batch can hit the prefix cache left by an
-earlier one. Prints one line `RESULT {...}` with the greedy token ids, cached-token counts and a
-report from every worker process.
+Reads a JSON job on stdin:
+  model, llm_kwargs, max_tokens
+  batches:  [[prompt, ...], ...]  one `generate` call per batch, in order, so a later batch can
+            hit the prefix cache left by an earlier one; a prompt is a list of token ids or
+            {"ids": [...], "extra_args": {...}}
+  sessions: {"system": [ids], "turns": [[user message ids, ...], ...]}  (optional) multi-turn
+            chats: turn k of user u is the previous turn's prompt and answer plus the message
+  record_block_ids: true to report every block id the worker's KV groups received
+Prints one line `RESULT {...}`: greedy token ids and cached-token counts per prompt, a report
+from every worker process, the plugin's KV manager metrics and vLLM's preemption count.
 """
 
 import json
@@ -11,7 +17,7 @@ import sys
 
 
 def worker_report(worker) -> dict:
-    """Runs inside each vLLM worker process: registration state and the attention layers built."""
+    """Runs inside each vLLM worker process: registration state, layers built, ids received."""
     import os
 
     from vllm_mimo import hooks
@@ -22,24 +28,86 @@ def worker_report(worker) -> dict:
             layers.append(
                 {"name": name, "sliding_window": module.sliding_window, "has_sink": module.has_sink}
             )
-    return {"pid": os.getpid(), "registered": hooks.registered(), "attention_layers": layers}
+    groups = [
+        type(g.kv_cache_spec).__name__ for g in worker.model_runner.kv_cache_config.kv_cache_groups
+    ]
+    return {
+        "pid": os.getpid(),
+        "registered": hooks.registered(),
+        "attention_layers": layers,
+        "group_kinds": groups,
+        "block_ids": getattr(worker.model_runner, "_test_block_ids", None),
+    }
+
+
+def record_block_ids(worker) -> None:
+    """Runs inside each worker: remember the block ids each KV group receives from now on."""
+    runner = worker.model_runner
+    seen: list = []
+    runner._test_block_ids = seen
+    update = runner._update_states
+
+    def _update_states(scheduler_output, *args, **kwargs):
+        for req in scheduler_output.scheduled_new_reqs:
+            seen.append([list(ids) for ids in req.block_ids])
+        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            if ids is not None:
+                seen.append([list(group) for group in ids])
+        return update(scheduler_output, *args, **kwargs)
+
+    runner._update_states = _update_states
+
+
+def _prompt(spec):
+    from vllm.inputs import TokensPrompt
+
+    ids = spec["ids"] if isinstance(spec, dict) else spec
+    return TokensPrompt(prompt_token_ids=ids), (spec.get("extra_args") if isinstance(spec, dict) else None)
 
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     llm = LLM(job["model"], **job["llm_kwargs"])
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    batches = []
-    for batch in job["batches"]:
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
-        batches.append(
-            [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outputs]
-        )
+    if job.get("record_block_ids"):
+        llm.collective_rpc(record_block_ids)
+
+    def generate(specs):
+        prompts, params = [], []
+        for spec in specs:
+            prompt, extra = _prompt(spec)
+            prompts.append(prompt)
+            params.append(SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, extra_args=extra))
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outputs]
+
+    batches = [generate(batch) for batch in job.get("batches", [])]
+    turns = []
+    if "sessions" in job:
+        history = [list(job["sessions"]["system"]) for _ in job["sessions"]["turns"][0]]
+        for messages in job["sessions"]["turns"]:
+            prompts = [h + m for h, m in zip(history, messages)]
+            results = generate(prompts)
+            history = [p + r["ids"] for p, r in zip(prompts, results)]
+            turns.append(results)
     workers = llm.collective_rpc(worker_report)
-    print("RESULT " + json.dumps({"batches": batches, "workers": workers}), flush=True)
+
+    from vllm_mimo.metrics import kv_manager_metrics
+
+    try:
+        mimo = kv_manager_metrics()
+    except RuntimeError:
+        mimo = None
+    preemptions = None
+    if not job["llm_kwargs"].get("disable_log_stats", True):
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    print(
+        "RESULT " + json.dumps(
+            {"batches": batches, "turns": turns, "workers": workers, "mimo": mimo, "preemptions": preemptions}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -124,3 +124,35 @@ def test_null_means_auto_for_the_pool_split():
     assert MimoConfig.from_sources({"mimo": {"swa_pool_fraction": None}}, environ={}).swa_pool_fraction is None
     assert MimoConfig.from_sources(None, environ={"VLLM_MIMO_SWA_POOL_FRACTION": "auto"}).swa_pool_fraction is None
     assert MimoConfig.from_sources(None, environ={"VLLM_MIMO_SWA_POOL_FRACTION": "0.25"}).swa_pool_fraction == 0.25
+
+
+def test_missing_pin_file_fails_at_vllm_startup(tiny_models, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(Exception, match=rf"pin_prompts_file='{missing}' does not exist"):
+        _engine_config(tiny_models["mimo"], additional_config={"mimo": {"pin_prompts_file": str(missing)}})
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"prompt": "a"}\n{"promt": "b"}\n', r"pins.jsonl:2: expected"),
+        ('{"messages": []}\n', r"pins.jsonl:1: messages must be a non-empty list"),
+        ("\n\n", r"has no prompts"),
+        ('{"prompt": "a"\n', r"pins.jsonl:1: not JSON"),
+    ],
+)
+def test_malformed_pin_file_names_the_line(tiny_models, tmp_path, content, message):
+    pins = tmp_path / "pins.jsonl"
+    pins.write_text(content)
+    with pytest.raises(Exception, match=message):
+        _engine_config(tiny_models["mimo"], additional_config={"mimo": {"pin_prompts_file": str(pins)}})
+
+
+def test_pin_file_needs_prefix_caching(tiny_models, tmp_path):
+    pins = tmp_path / "pins.jsonl"
+    pins.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(Exception, match="needs prefix caching"):
+        _engine_config(
+            tiny_models["mimo"], enable_prefix_caching=False,
+            additional_config={"mimo": {"pin_prompts_file": str(pins)}},
+        )

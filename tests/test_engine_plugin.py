@@ -19,8 +19,8 @@ def runs(tiny_models):
     for layout in ("mimo", "gemma3", "llama"):
         batches = exactness_batches(tiny_models[layout])
         out[layout] = {
-            "on": run_engine(tiny_models[layout], batches),
-            "off": run_engine(tiny_models[layout], batches, env=OFF),
+            "on": run_engine(tiny_models[layout], batches, llm_kwargs={"dtype": "float32"}),
+            "off": run_engine(tiny_models[layout], batches, env=OFF, llm_kwargs={"dtype": "float32"}),
         }
     return out
 

@@ -27,6 +27,8 @@ except ImportError:  # 0.32
     )
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.tokenizers.registry import cached_tokenizer_from_config
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -40,6 +42,8 @@ __all__ = [
     "FullAttentionSpec",
     "Request",
     "RequestStatus",
+    "cached_tokenizer_from_config",
+    "get_hash_fn_by_name",
     "get_kv_cache_config_from_groups",
     "get_kv_cache_groups",
     "get_request_block_hasher",

@@ -47,6 +47,22 @@ class MimoConfig:
         ),
     )
 
+    system_prompt_anchor: bool = field(
+        default=True,
+        metadata=_key(
+            "Anchor the end of the system message of every /v1/chat/completions and "
+            "/v1/messages request, so the first user after another already hits the whole "
+            "system prompt. Content blocks marked cache_control are anchored either way.",
+        ),
+    )
+    pin_prompts_file: str = field(
+        default="",
+        metadata=_key(
+            'JSON Lines file of prompts ({"prompt": "..."} or {"messages": [...]}) the engine '
+            "prefills at startup and keeps pinned, so the very first request already hits. "
+            "Empty: none.",
+        ),
+    )
     swa_pool_fraction: float | None = field(
         default=None,
         metadata=_key(

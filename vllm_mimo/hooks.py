@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_mimo.config import ENV_PREFIX, MimoConfig
+from vllm_mimo.config import ENV_PREFIX, MimoConfig, MimoConfigError
 from vllm_mimo.log import logger
 
 SCHEDULER_CLS = "vllm_mimo.block_manager.scheduler.MimoScheduler"
@@ -65,6 +65,15 @@ def configure(vllm_config: Any) -> None:
     if model_config is None or getattr(model_config, "is_submodel_config", False):
         return
     config = MimoConfig.from_vllm_config(vllm_config)
+    if config.pin_prompts_file:
+        from vllm_mimo.pinning import read_pin_file
+
+        read_pin_file(config.pin_prompts_file)
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise MimoConfigError(
+                f"pin_prompts_file={config.pin_prompts_file!r} needs prefix caching, which is off "
+                "(drop --no-enable-prefix-caching or the pin file)"
+            )
     if not config.enable:
         logger.debug("vllm-mimo: disabled by configuration (enable=false)")
         return
@@ -91,6 +100,9 @@ def configure(vllm_config: Any) -> None:
     )
     if config.prefill_chunk_tokens and not scheduler_config.long_prefill_token_threshold:
         scheduler_config.long_prefill_token_threshold = config.prefill_chunk_tokens
+    from vllm_mimo import chat_anchors
+
+    chat_anchors.install(system_anchor=config.system_prompt_anchor)
     logger.debug(
         "vllm-mimo: %s: %s; scheduler %s",
         model_config.architecture,

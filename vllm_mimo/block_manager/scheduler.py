@@ -21,6 +21,7 @@ from vllm_mimo.doctor import log_startup_warnings
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
 from vllm_mimo.metrics import SnapshotPublisher, manager_snapshot
+from vllm_mimo.pinning import pin_requests
 
 GIB = 1 << 30
 
@@ -97,6 +98,20 @@ class _MimoSchedulerMixin:
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
+        if self.mimo_config.pin_prompts_file and self.cache_config.enable_prefix_caching:  # type: ignore[attr-defined]
+            requests = pin_requests(
+                self.vllm_config,  # type: ignore[attr-defined]
+                self.mimo_config.pin_prompts_file,
+                self.hash_block_size,  # type: ignore[attr-defined]
+            )
+            for request in requests:
+                self.add_request(request)  # type: ignore[attr-defined]
+            logger.info(
+                "vllm-mimo: prefilling %d pinned prompts from %s (%d tokens)",
+                len(requests),
+                self.mimo_config.pin_prompts_file,
+                sum(r.num_prompt_tokens for r in requests),
+            )
 
     def _log_pools(self) -> None:
         manager = self.mimo_manager

@@ -1,0 +1,173 @@
+"""Anchors for chat requests: the end of the system message, and of every `cache_control` block.
+
+In the API server process the plugin wraps three vLLM methods (installed once, for hybrid SWA
+models with the plugin on):
+
+  * `OpenAIServingChat.render_chat_request`: after vLLM renders a chat request, each anchor
+    point is turned into a token position by rendering the conversation cut at that point with
+    the same chat template and taking the longest common prefix with the full prompt's tokens;
+  * `ChatCompletionRequest.to_sampling_params`: the positions go into
+    `SamplingParams.extra_args["mimo"]["anchors"]`, where the KV manager reads them;
+  * `AnthropicServingMessages.create_messages`: `/v1/messages` drops `cache_control` while
+    converting to a chat request, so the marked prefixes are read from the raw body and
+    converted with vLLM's own converter.
+
+Anchor points: the end of the leading system (or developer) messages, unless
+`system_prompt_anchor` is off; the end of every content part (or whole message) carrying
+`"cache_control": {"type": "ephemeral"}`, the prompt-caching convention of Anthropic's Messages
+API. Positions of repeated prefixes (a shared system prompt) are cached.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from collections import OrderedDict
+from typing import Any
+
+from vllm_mimo.log import logger
+
+_prefixes: contextvars.ContextVar[list[list[dict]] | None] = contextvars.ContextVar(
+    "vllm_mimo_anthropic_prefixes", default=None
+)
+_anchors: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "vllm_mimo_chat_anchors", default=None
+)
+_position_cache: OrderedDict[str, int] = OrderedDict()
+_CACHE_SIZE = 1024
+_installed = False
+_system_anchor = True
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _as_dict(message: Any) -> dict:
+    return message if isinstance(message, dict) else dict(message)
+
+
+def anchor_prefixes(messages: list[Any], system_anchor: bool) -> list[list[dict]]:
+    """The conversations, cut at each anchor point, whose rendered length is an anchor."""
+    messages = [_as_dict(m) for m in messages]
+    prefixes: list[list[dict]] = []
+    leading = 0
+    while leading < len(messages) and messages[leading].get("role") in ("system", "developer"):
+        leading += 1
+    if system_anchor and leading:
+        prefixes.append(messages[:leading])
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("cache_control"):
+                    prefixes.append(messages[:i] + [{**message, "content": content[: j + 1]}])
+        if message.get("cache_control"):
+            prefixes.append(messages[: i + 1])
+    return prefixes
+
+
+async def _position(serving: Any, request: Any, prefix: list[dict], full_ids: list[int]) -> int | None:
+    key = json.dumps([prefix, request.chat_template, request.chat_template_kwargs], sort_keys=True, default=str)
+    if key in _position_cache:
+        _position_cache.move_to_end(key)
+        return _position_cache[key]
+    cut = request.model_copy(
+        update={"messages": prefix, "add_generation_prompt": False, "continue_final_message": False}
+    )
+    result = await serving.online_renderer.render_chat(cut)
+    if not isinstance(result, tuple):
+        logger.warning("vllm-mimo: could not render a chat prefix for an anchor: %s", result)
+        return None
+    ids = serving._extract_prompt_components(result[1][0]).token_ids
+    position = common_prefix_len(ids, full_ids)
+    _position_cache[key] = position
+    if len(_position_cache) > _CACHE_SIZE:
+        _position_cache.popitem(last=False)
+    return position
+
+
+def install(system_anchor: bool) -> None:
+    """Wrap vLLM's chat entry points (once per process)."""
+    global _installed, _system_anchor
+    _system_anchor = system_anchor
+    if _installed:
+        return
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    render = OpenAIServingChat.render_chat_request
+
+    async def render_chat_request(self, request):
+        result = await render(self, request)
+        if not isinstance(result, tuple):
+            return result
+        full_ids = self._extract_prompt_components(result[1][0]).token_ids
+        prefixes = anchor_prefixes(request.messages, _system_anchor) + (_prefixes.get() or [])
+        positions = set()
+        for prefix in prefixes:
+            position = await _position(self, request, prefix, list(full_ids))
+            if position:
+                positions.add(position)
+        _anchors.set(sorted(positions) or None)
+        _prefixes.set(None)
+        return result
+
+    to_sampling_params = ChatCompletionRequest.to_sampling_params
+
+    def to_sampling_params_with_anchors(self, *args, **kwargs):
+        params = to_sampling_params(self, *args, **kwargs)
+        anchors = _anchors.get()
+        if anchors:
+            _anchors.set(None)
+            extra = dict(params.extra_args or {})
+            hints = dict(extra.get("mimo") or {})
+            hints["anchors"] = sorted(set(hints.get("anchors", [])) | set(anchors))
+            extra["mimo"] = hints
+            params.extra_args = extra
+        return params
+
+    create_messages = AnthropicServingMessages.create_messages
+
+    async def create_messages_with_cache_control(self, request, raw_request=None):
+        if raw_request is not None:
+            _prefixes.set(await _anthropic_prefixes(self, request, raw_request))
+        return await create_messages(self, request, raw_request)
+
+    OpenAIServingChat.render_chat_request = render_chat_request
+    ChatCompletionRequest.to_sampling_params = to_sampling_params_with_anchors
+    AnthropicServingMessages.create_messages = create_messages_with_cache_control
+    _installed = True
+
+
+async def _anthropic_prefixes(serving: Any, request: Any, raw_request: Any) -> list[list[dict]]:
+    """Chat-format conversations cut after each `cache_control` block of a /v1/messages body."""
+    try:
+        body = await raw_request.json()
+    except (ValueError, RuntimeError):
+        return []
+    cuts = []
+    system = body.get("system")
+    if isinstance(system, list):
+        for k, block in enumerate(system):
+            if isinstance(block, dict) and block.get("cache_control"):
+                cuts.append({"system": request.system[: k + 1], "messages": []})
+    for i, message in enumerate(body.get("messages") or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, block in enumerate(content):
+            if isinstance(block, dict) and block.get("cache_control"):
+                cut_message = request.messages[i].model_copy(update={"content": request.messages[i].content[: j + 1]})
+                cuts.append({"messages": request.messages[:i] + [cut_message]})
+    prefixes = []
+    for update in cuts:
+        cut = request.model_copy(update=update)
+        chat = serving.to_chat_completion_request(cut, merge_inline_system=serving._merge_inline_system)
+        prefixes.append([_as_dict(m) for m in chat.messages])
+    return prefixes
