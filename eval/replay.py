@@ -393,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
     if not args.scale > 0:
         parser.error(f"--scale must be > 0, got {args.scale}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'vllm-mimo[eval]'")
 
     from eval.workloads import TraceError
 

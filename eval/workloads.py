@@ -246,3 +246,55 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---------------------------------------------------------------- served chat sessions
+
+WORDS = (
+    "the of and to in is for that with on as it be by this are from at or an not which have "
+    "file function return value list dict string module class test error type path data index "
+    "request server model cache token window layer block prefix session user system answer "
+    "call tool result check build run parse write read open close start stop time size memory"
+).split()
+
+
+@dataclass(frozen=True)
+class ChatSession:
+    """A user's conversation for `eval.bench_serve`: each turn's answer is whatever the model
+    generates, and goes into the next turn's history."""
+
+    start_s: float
+    system: str
+    turns: tuple[tuple[str, int], ...]
+    """(user message, max tokens of the answer) per turn."""
+
+
+def _text(rng: np.random.Generator, words: int) -> str:
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=words)) + "."
+
+
+def chat_sessions(name: str, seed: int = 0, sessions: int = 8, span_s: float = 20.0) -> list[ChatSession]:
+    """Chat-shaped versions of the workloads, sized for a small served model (2K context).
+
+    shared-system-prompt: three ~450-word system prompts shared by many users, 3-4 turns each;
+    agent-sessions: a ~400-word tool prompt, then steps that add ~120-word tool results;
+    mixed: both, alternating, plus one-shot questions with their own system prompt.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    rng = np.random.default_rng(seed)
+    systems = [_text(rng, 450) for _ in range(3)]
+    tool_prompt = "You are an agent. Tools: " + _text(rng, 400)
+    out = []
+    for i in range(sessions):
+        start = float(rng.uniform(0, span_s))
+        kind = name if name != "mixed" else ("shared-system-prompt", "agent-sessions", "one-shot")[i % 3]
+        if kind == "shared-system-prompt":
+            turns = tuple((_text(rng, int(rng.integers(15, 60))), int(rng.integers(20, 80))) for _ in range(int(rng.integers(3, 5))))
+            out.append(ChatSession(start, systems[int(rng.integers(len(systems)))], turns))
+        elif kind == "agent-sessions":
+            turns = ((_text(rng, 40), 40),) + tuple(("Tool result: " + _text(rng, 120), 30) for _ in range(3))
+            out.append(ChatSession(start, tool_prompt, turns))
+        else:
+            out.append(ChatSession(start, _text(rng, 300), ((_text(rng, 50), 60),)))
+    return sorted(out, key=lambda s: s.start_s)

@@ -87,20 +87,19 @@ def test_match_stops_at_the_first_block_without_full_kv():
     assert tree.match(["h0", "h1", "h2", "h3"], 10, 1).full_blocks == 3
 
 
-def test_full_eviction_is_leaf_first_lru_and_pinned_paths_last():
+def test_full_eviction_takes_unanchored_leaves_first_least_recently_used():
     tree = PrefixTree()
     a = _chain(tree, 3, prefix="a")
-    b = _chain(tree, 2, prefix="b")
-    for i, node in enumerate(a + b):
-        node.last_access = {0: 5, 1: 5, 2: 5, 3: 1, 4: 9}[i]
+    b = _chain(tree, 3, prefix="b")
+    b[1].anchor = "an anchor ends here"  # b0..b1 can end a hit; b2 past it cannot
+    for node, access in zip(a + b, (5, 5, 5, 1, 1, 9)):
+        node.last_access = access
         tree.offer_full_victim(node)
-    for node in b:
-        node.pins_below = 1
     order = []
     while (node := tree.pop_full_victim()) is not None:
         order.append(node.block_hash)
         tree.set_full(node, None)
-    assert order == ["a2", "a1", "a0", "b1", "b0"]
+    assert order == ["a2", "a1", "a0", "b2"]  # b1 and b0 go with their anchor
 
 
 def test_prune_removes_empty_leaves_up_the_path():

@@ -491,7 +491,6 @@ class HybridKVCacheManager:
             anchor.kinds.add(kind)
             if pinned and not anchor.pinned:
                 self.anchors.pin(anchor)
-                self._add_pins(node, +1)
             self.anchors.touch(anchor, self._tick)
             return
         anchor = Anchor(node, self.tree.window(node, self.window_blocks), kind, pinned, self._tick)
@@ -501,15 +500,11 @@ class HybridKVCacheManager:
         self.anchors.add(anchor)
         if kind in SPECULATIVE_KINDS and self.anchors.usefulness(kind) < _USEFUL_SHARE:
             self.anchors.demote(anchor)
-        if pinned:
-            self._add_pins(node, +1)
         self.metrics.anchors_kept[kind.value] += 1
 
     def _drop_anchor(self, anchor: Anchor) -> None:
         self.anchors.remove(anchor)
         anchor.node.anchor = None
-        if anchor.pinned:
-            self._add_pins(anchor.node, -1)
         for covered in anchor.window:
             covered.anchor_refs -= 1
             if covered.anchor_refs == 0 and covered.swa_refs == 0 and covered.swa_blocks is not None:
@@ -519,13 +514,7 @@ class HybridKVCacheManager:
                 covered.swa_blocks = None
         for covered in anchor.window:
             self.tree.prune(covered)
-
-    def _add_pins(self, node: Node, delta: int) -> None:
-        while node is not self.tree.root:
-            node.pins_below += delta
-            if node.pins_below == 0:
-                self.tree.offer_full_victim(node)
-            node = node.parent
+        self.tree.offer_full_victim(anchor.node)  # its Full KV can no longer end a hit
 
     def _evict_anchor(self, anchor: Anchor) -> None:
         for kind in anchor.kinds:
@@ -533,18 +522,15 @@ class HybridKVCacheManager:
         self._drop_anchor(anchor)
 
     def _evict_lru(self) -> bool:
-        """Evict whichever was used least recently: the oldest unreferenced Full leaf or the
-        oldest anchor (anything on a pinned anchor's path last). False if nothing is left."""
-        for pinned in (False, True):
-            node = self.tree.peek_full_victim(pinned)
-            anchor = self.anchors.oldest(pinned)
-            if anchor is not None and (node is None or anchor.last_used <= node.last_access):
-                self._evict_anchor(anchor)
-                return True
-            if node is not None:
-                self._evict_full_leaf()
-                return True
-        return False
+        """Free cached blocks: unanchored Full leaves first (no hit can end there), then the
+        least recently used anchor, pinned anchors last. False if nothing is left."""
+        if self._evict_full_leaf():
+            return True
+        anchor = self.anchors.oldest(pinned=False) or self.anchors.oldest(pinned=True)
+        if anchor is None:
+            return False
+        self._evict_anchor(anchor)
+        return True
 
     def _enforce_anchor_budget(self) -> None:
         while self._swa_retained > self.anchor_budget_blocks:
@@ -554,12 +540,10 @@ class HybridKVCacheManager:
             self._evict_anchor(anchor)
 
     def _evict_full_leaf(self) -> bool:
-        """Evict the least recently used unreferenced Full leaf (pinned paths last)."""
+        """Evict the least recently used unreferenced, unanchored Full leaf."""
         node = self.tree.pop_full_victim()
         if node is None:
             return False
-        if node.anchor is not None:  # a hit needs the Full KV too: the anchor is worthless now
-            self._evict_anchor(node.anchor)
         self._full_cached_unref -= self._n_full
         self._give_back(node.full_blocks)
         self.metrics.evicted_blocks[Pool.FULL] += self._n_full

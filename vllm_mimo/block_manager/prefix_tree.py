@@ -11,8 +11,11 @@ Reference counts live on nodes, not blocks: `full_refs` / `swa_refs` count the r
 holding this node's Full / SWA blocks. `anchor_refs` counts the anchors whose window covers the
 node; an unreferenced SWA block stays only while some anchor covers it.
 
-Matching never mutates. Full eviction is leaf-first and least-recently-used, with nodes on the
-path of a pinned anchor last; SWA eviction goes through the anchors (see `anchors.py`).
+Matching never mutates. A hit can only end where SWA KV is kept, at an anchor (or inside a
+running request's window), so Full KV past the deepest anchor of its path can never be hit:
+such unanchored leaves are evicted first, least recently used first. Everything else goes
+with its anchor (see `anchors.py`): dropping an anchor turns the Full blocks past the previous
+anchor on its path into unanchored leaves.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ class Node:
         "full_children",
         "anchor_refs",
         "anchor",
-        "pins_below",
         "last_access",
         "hit_count",
     )
@@ -55,7 +57,6 @@ class Node:
         self.full_children = 0  # children whose full_blocks are resident
         self.anchor_refs = 0
         self.anchor: Any = None  # the Anchor ending at this node, if any
-        self.pins_below = 0  # pinned anchors at or under this node
         self.last_access = 0.0
         self.hit_count = 0  # distinct requests that reused this node
 
@@ -112,9 +113,9 @@ class PrefixTree:
         self.root = Node(None, None, -1)
         self.nodes: dict[Any, Node] = {}
         self._seq = itertools.count()
-        # (last_access, seq, node); entries go stale and are checked when popped.
-        self._full_heap: list[tuple[float, int, Node]] = []
-        self._pinned_full_heap: list[tuple[float, int, Node]] = []
+        # Unanchored unreferenced Full leaves: (last_access, seq, node); entries go stale and
+        # are checked when popped.
+        self._garbage: list[tuple[float, int, Node]] = []
 
     def match(self, block_hashes: list[Any], max_blocks: int, window_blocks: int) -> TreeMatch:
         """The Full and window-safe hit for a prefix; does not change the tree."""
@@ -154,43 +155,25 @@ class PrefixTree:
             if not now:
                 self.offer_full_victim(node.parent)
 
-    def offer_full_victim(self, node: Node) -> None:
-        """Queue `node` for Full eviction if it is an unreferenced leaf of the Full index."""
-        if (
+    def _is_garbage(self, node: Node) -> bool:
+        return (
             node.full_blocks is not None
             and node.full_refs == 0
             and node.full_children == 0
+            and node.anchor is None
             and node is not self.root
-        ):
-            heap = self._pinned_full_heap if node.pins_below else self._full_heap
-            heapq.heappush(heap, (node.last_access, next(self._seq), node))
+        )
 
-    def peek_full_victim(self, pinned: bool) -> Node | None:
-        """The least recently used unreferenced Full leaf on (or off) a pinned path."""
-        heap = self._pinned_full_heap if pinned else self._full_heap
-        while heap:
-            access, _, node = heap[0]
-            if (
-                node.full_blocks is not None
-                and node.full_refs == 0
-                and node.full_children == 0
-                and access == node.last_access
-                and self.nodes.get(node.block_hash) is node
-            ):
-                if bool(node.pins_below) == pinned:
-                    return node
-                heapq.heappop(heap)  # its pin changed: queue it where it belongs now
-                self.offer_full_victim(node)
-                continue
-            heapq.heappop(heap)
-        return None
+    def offer_full_victim(self, node: Node) -> None:
+        """Queue `node` for Full eviction if it is an unreferenced, unanchored Full leaf."""
+        if self._is_garbage(node):
+            heapq.heappush(self._garbage, (node.last_access, next(self._seq), node))
 
     def pop_full_victim(self) -> Node | None:
-        """The least recently used unreferenced Full leaf, unpinned paths first."""
-        for pinned in (False, True):
-            node = self.peek_full_victim(pinned)
-            if node is not None:
-                heapq.heappop(self._pinned_full_heap if pinned else self._full_heap)
+        """The least recently used unreferenced, unanchored Full leaf, if any."""
+        while self._garbage:
+            access, _, node = heapq.heappop(self._garbage)
+            if self._is_garbage(node) and access == node.last_access and self.nodes.get(node.block_hash) is node:
                 return node
         return None
 
@@ -212,8 +195,7 @@ class PrefixTree:
     def clear(self) -> None:
         self.root.children.clear()
         self.nodes.clear()
-        self._full_heap.clear()
-        self._pinned_full_heap.clear()
+        self._garbage.clear()
 
     def check_integrity(self) -> None:
         for key, node in self.nodes.items():

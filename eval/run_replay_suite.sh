@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The issue-3 side-by-side replay: every workload at five KV budgets, all engines, JSON + plot.
+# Budgets are chosen per workload from the swa-free ceiling (see eval/RESULTS.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=eval/results
+mkdir -p "$OUT"
+run() {  # name, source args..., -- budgets...
+  local name=$1; shift
+  local src=(); while [ "$1" != "--" ]; do src+=("$1"); shift; done; shift
+  "$PY" -m eval.replay "${src[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
+    --json "$OUT/replay-$name.json" --plot "$OUT/replay-$name.png" | tee "$OUT/replay-$name.txt"
+}
+run shared-system-prompt --workload shared-system-prompt -- 2 3 4 8 16
+run agent-sessions --workload agent-sessions -- 4 6 8 12 16
+run mixed --workload mixed -- 4 6 10 16 32
+run agentic-mooncake --trace eval/traces/agentic-mooncake.jsonl -- 4 6 10 16 32
