@@ -1,5 +1,5 @@
 # Two commands, each doing all of its own setup on a fresh machine:
-#   make demo   set up .venv, make the tiny MiMo model, serve it with the plugin, show prefix hits
+#   make demo   set up .venv, serve the bundled tiny MiMo with the plugin off and on, side by side
 #   make test   set up .venv and run the test suite (what CI runs, through .ci/run)
 
 PYTHON ?= python3.11
@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 demo: setup
-	$(PY) -m eval.demo
+	$(PY) -m eval.bench_serve --workload shared-system-prompt --duration 90
 
 test: setup
 	$(PY) -m pytest tests
