@@ -22,11 +22,13 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(90, 260),
         budget=st.sampled_from([0.0, 0.1, 0.5]),
         grid=st.sampled_from([0, 2 * BLOCK]),
+        eagle=st.booleans(),
     )
-    def setup(self, num_blocks: int, budget: float, grid: int) -> None:
+    def setup(self, num_blocks: int, budget: float, grid: int, eagle: bool) -> None:
         config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid)
         self.m = HybridKVCacheManager(
-            kv_config(num_blocks, window=WINDOW), 4096, BLOCK, BLOCK, max_num_running=3, mimo_config=config
+            kv_config(num_blocks, window=WINDOW), 4096, BLOCK, BLOCK, max_num_running=3,
+            mimo_config=config, use_eagle=eagle,
         )
         self.waiting: list = []
         self.running: list = []

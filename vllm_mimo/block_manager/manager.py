@@ -146,6 +146,9 @@ class HybridKVCacheManager:
         self.mamba_shared_prefix_checkpoint = False
         self.block_size = geometry.block_size
         self.window_blocks = geometry.window_blocks
+        # With EAGLE/MTP a hit ends one block before an anchor, so an anchor keeps one more
+        # block of SWA KV, and so does a running request behind its latest block boundary.
+        self.anchor_window_blocks = self.window_blocks + (1 if use_eagle else 0)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self._full_gids = geometry.full_group_ids
         self._swa_gids = geometry.swa_group_ids
@@ -454,6 +457,7 @@ class HybridKVCacheManager:
         """
         bs = self.block_size
         first_needed = max(0, processed_tokens // bs * bs - self.geometry.window + 1) // bs
+        first_needed = max(0, first_needed - (self.anchor_window_blocks - self.window_blocks))
         nodes = state.nodes
         for pos in range(state.swa_start, min(first_needed, len(state.swa))):
             ids = state.swa[pos]
@@ -493,7 +497,7 @@ class HybridKVCacheManager:
                 self.anchors.pin(anchor)
             self.anchors.touch(anchor, self._tick)
             return
-        anchor = Anchor(node, self.tree.window(node, self.window_blocks), kind, pinned, self._tick)
+        anchor = Anchor(node, self.tree.window(node, self.anchor_window_blocks), kind, pinned, self._tick)
         node.anchor = anchor
         for covered in anchor.window:
             covered.anchor_refs += 1
@@ -726,7 +730,7 @@ class HybridKVCacheManager:
                     swa_refs[id(node)] = swa_refs.get(id(node), 0) + 1
                 else:
                     own(ids, f"request {rid} swa@{pos}", Pool.SWA)
-            bound = self.window_blocks + 1 + state.step_blocks
+            bound = self.anchor_window_blocks + 1 + state.step_blocks
             assert live <= bound, f"request {rid} holds {live} SWA positions, bound {bound}"
             for i, node in enumerate(state.nodes):
                 assert node.depth == i, (rid, i, node)
