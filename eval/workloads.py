@@ -276,15 +276,15 @@ def _text(rng: np.random.Generator, words: int) -> str:
 def chat_sessions(name: str, seed: int = 0, sessions: int = 8, span_s: float = 20.0) -> list[ChatSession]:
     """Chat-shaped versions of the workloads, sized for a small served model (2K context).
 
-    shared-system-prompt: three ~450-word system prompts shared by many users, 3-4 turns each;
-    agent-sessions: a ~400-word tool prompt, then steps that add ~120-word tool results;
+    shared-system-prompt: three ~1,500-word system prompts shared by many users, 3-4 turns each;
+    agent-sessions: a ~1,200-word tool prompt, then steps that add ~120-word tool results;
     mixed: both, alternating, plus one-shot questions with their own system prompt.
     """
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     rng = np.random.default_rng(seed)
-    systems = [_text(rng, 450) for _ in range(3)]
-    tool_prompt = "You are an agent. Tools: " + _text(rng, 400)
+    systems = [_text(rng, 1500) for _ in range(3)]
+    tool_prompt = "You are an agent. Tools: " + _text(rng, 1200)
     out = []
     for i in range(sessions):
         start = float(rng.uniform(0, span_s))
