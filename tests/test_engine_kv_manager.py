@@ -113,3 +113,14 @@ def test_mtp_speculative_decoding_runs_on_the_manager(tiny_models, ids):
     assert on.log_lines("vllm-mimo: hybrid SWA model") and "hybrid-kv-manager" in on.log_lines("features on")[0]
     assert on.batches[1][0]["cached"] > 0
     assert [[o["ids"] for o in b] for b in on.batches] == [[o["ids"] for o in b] for b in off.batches]
+
+
+def test_prefix_caching_off(tiny_models, ids):
+    """The manager also runs with vLLM's prefix caching off: no tree, no hits, same tokens."""
+    batches = [[ids[:700], ids[:650] + ids[900:950]], [ids[:700]]]
+    kwargs = {**FP32, "enable_prefix_caching": False}
+    on = run_engine(tiny_models["mimo"], batches, llm_kwargs=kwargs)
+    off = run_engine(tiny_models["mimo"], batches, env=OFF, llm_kwargs=kwargs)
+    assert "hybrid-kv-manager" in on.log_lines("features on")[0]
+    assert all(o["cached"] == 0 for batch in on.batches for o in batch)
+    assert [[o["ids"] for o in b] for b in on.batches] == [[o["ids"] for o in b] for b in off.batches]
