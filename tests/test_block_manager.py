@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.kv_helpers import BLOCK, kv_config, make_request
-from vllm_mimo.block_manager.anchors import AnchorKind
+from vllm_mimo.block_manager.anchors import AnchorHintError, AnchorKind, declared_anchors
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout
-from vllm_mimo.block_manager.manager import AnchorHintError, HybridKVCacheManager, declared_anchors
+from vllm_mimo.block_manager.manager import HybridKVCacheManager
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, window_safe_blocks
 from vllm_mimo.compat import RequestStatus

@@ -124,3 +124,10 @@ def test_prefix_caching_off(tiny_models, ids):
     assert "hybrid-kv-manager" in on.log_lines("features on")[0]
     assert all(o["cached"] == 0 for batch in on.batches for o in batch)
     assert [[o["ids"] for o in b] for b in on.batches] == [[o["ids"] for o in b] for b in off.batches]
+
+
+def test_malformed_anchor_hint_fails_the_request_not_the_engine_start(tiny_models):
+    bad = {"ids": [1, 2, 3, 4], "extra_args": {"mimo": {"anchors": "end of system"}}}
+    log = run_engine(tiny_models["mimo"], [[bad]], expect_failure=True)
+    assert "must be a list of positive token positions, got 'end of system'" in log
+    assert "Traceback" in log and "vllm-mimo: hybrid SWA model" in log  # it started, then refused

@@ -54,7 +54,29 @@ def install() -> None:
     from vllm_mimo.metrics import register_collector
 
     register_collector()
+    _validate_anchor_hints_on_input()
     _registered_in_pid = os.getpid()
+
+
+def _validate_anchor_hints_on_input() -> None:
+    """Reject malformed `extra_args["mimo"]` hints where vLLM validates SamplingParams, so a
+    bad request fails alone (HTTP 400, or an error from `LLM.generate`) instead of the engine."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_mimo.block_manager.anchors import declared_anchors
+
+    validate = InputProcessor._validate_params
+    if getattr(validate, "_vllm_mimo_hook", False):
+        return
+
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(params, SamplingParams):
+            declared_anchors(params.extra_args)
+        return validate(self, params, *args, **kwargs)
+
+    _validate_params._vllm_mimo_hook = True  # type: ignore[attr-defined]
+    InputProcessor._validate_params = _validate_params  # type: ignore[method-assign]
 
 
 def configure(vllm_config: Any) -> None:

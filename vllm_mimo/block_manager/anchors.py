@@ -106,6 +106,32 @@ class AnchorSet:
         queue = self._pinned if pinned else self._unpinned
         return next(iter(queue.values())) if queue else None
 
-    def clear(self) -> None:
-        self._unpinned.clear()
-        self._pinned.clear()
+
+class AnchorHintError(ValueError):
+    """A request's `extra_args["mimo"]` anchor hints are malformed."""
+
+
+def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
+    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]`, validated."""
+    hints = (extra_args or {}).get("mimo")
+    if hints is None:
+        return [], False
+    if not isinstance(hints, dict):
+        raise AnchorHintError(f'extra_args["mimo"] must be an object, got {hints!r}')
+    unknown = set(hints) - {"anchors", "pin"}
+    if unknown:
+        raise AnchorHintError(
+            f'unknown keys {sorted(unknown)} in extra_args["mimo"]; allowed: anchors, pin'
+        )
+    positions = hints.get("anchors", [])
+    pin = hints.get("pin", False)
+    if not isinstance(positions, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in positions
+    ):
+        raise AnchorHintError(
+            f'extra_args["mimo"]["anchors"] must be a list of positive token positions, '
+            f"got {positions!r}"
+        )
+    if not isinstance(pin, bool):
+        raise AnchorHintError(f'extra_args["mimo"]["pin"] must be true or false, got {pin!r}')
+    return positions, pin

@@ -10,11 +10,10 @@ chunk's own keys from the cache). Everything older is released: kept in the tree
 covers it, freed otherwise. A request holds a reference on every tree node of its prefix, so an
 unreferenced node never has a referenced descendant and Full eviction can always go leaf-first.
 
-How a pool gets a block when its free list is empty (see `pools.py` for the boundary):
-  Full: evict its least recently used unreferenced leaf; else borrow a free SWA block.
-  SWA:  borrow a free Full block; else evict a Full leaf and borrow the freed block (a prefill
-        chunk's transient SWA blocks are paid by the Full cache, as in upstream vLLM, not by the
-        anchors); else evict the least recently used anchor (pinned last).
+Where a new block comes from: the pool's own free list, else the other pool's free list (see
+`pools.py`), else eviction: first Full KV past the deepest anchor of its path (no hit can end
+there), then the least recently used anchor with the Full KV only it made reachable, pinned
+anchors last. Anchors also have a budget (`anchor_budget_fraction`); over it, the oldest go.
 """
 
 from __future__ import annotations
@@ -23,7 +22,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mimo.block_manager.anchors import SPECULATIVE_KINDS, Anchor, AnchorKind, AnchorSet
+from vllm_mimo.block_manager.anchors import (
+    SPECULATIVE_KINDS,
+    Anchor,
+    AnchorKind,
+    AnchorSet,
+    declared_anchors,
+)
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cdiv
 from vllm_mimo.block_manager.metrics import KVManagerMetrics
 from vllm_mimo.block_manager.pools import BlockPools, Pool
@@ -35,36 +40,6 @@ from vllm_mimo.config import MimoConfig, MimoConfigError
 # Below this share of anchors that served a hit, new speculative anchors of a kind start at the
 # front of the eviction order: kept when memory is plentiful, first to go when it is not.
 _USEFUL_SHARE = 0.25
-
-
-class AnchorHintError(ValueError):
-    """A request's `extra_args["mimo"]` anchor hints are malformed."""
-
-
-def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
-    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]`, validated."""
-    hints = (extra_args or {}).get("mimo")
-    if hints is None:
-        return [], False
-    if not isinstance(hints, dict):
-        raise AnchorHintError(f'extra_args["mimo"] must be an object, got {hints!r}')
-    unknown = set(hints) - {"anchors", "pin"}
-    if unknown:
-        raise AnchorHintError(
-            f'unknown keys {sorted(unknown)} in extra_args["mimo"]; allowed: anchors, pin'
-        )
-    positions = hints.get("anchors", [])
-    pin = hints.get("pin", False)
-    if not isinstance(positions, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in positions
-    ):
-        raise AnchorHintError(
-            f'extra_args["mimo"]["anchors"] must be a list of positive token positions, '
-            f"got {positions!r}"
-        )
-    if not isinstance(pin, bool):
-        raise AnchorHintError(f'extra_args["mimo"]["pin"] must be true or false, got {pin!r}')
-    return positions, pin
 
 
 def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_blocks: int) -> int:
