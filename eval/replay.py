@@ -126,21 +126,31 @@ class _Timed:
 
 
 def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams):
-    """(manager, num_blocks, full-group probe or None) for one engine at one budget."""
+    """(manager, number of blocks, hash block size) for one engine at one budget."""
     from vllm_mimo.block_manager.manager import HybridKVCacheManager
-    from vllm_mimo.compat import KVCacheManager
+    from vllm_mimo.compat import KVCacheManager, resolve_kv_cache_block_sizes
 
     vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
     config = kv_cache_config(LAYOUTS[layout_name], kv_bytes, vllm_config)
-    common = dict(max_model_len=params.max_model_len, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE)
-    if engine == "mimo":
-        return HybridKVCacheManager(config, max_num_running=params.max_running, **common), config.num_blocks
-    retention = {"upstream-r0": 0, "upstream-dense": None, "upstream-r512": 512, "swa-free": 0}[engine]
-    config = full_only(config) if engine == "swa-free" else with_retention(config, retention)
-    manager = KVCacheManager(
-        config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
+    if engine != "mimo":
+        retention = {"upstream-r0": 0, "upstream-dense": None, "upstream-r512": 512, "swa-free": 0}[engine]
+        config = full_only(config) if engine == "swa-free" else with_retention(config, retention)
+    # As the engine core does: groups with different page sizes get different block sizes.
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(config, vllm_config)
+    if engine == "swa-free":  # one group: its own (possibly scaled) block size
+        scheduler_block_size = hash_block_size = config.kv_cache_groups[0].kv_cache_spec.block_size
+    common = dict(
+        max_model_len=params.max_model_len,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
     )
-    return manager, config.num_blocks
+    if engine == "mimo":
+        manager = HybridKVCacheManager(config, max_num_running=params.max_running, **common)
+    else:
+        manager = KVCacheManager(
+            config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
+        )
+    return manager, config.num_blocks, hash_block_size
 
 
 def _full_group_hit(manager, request) -> int:
@@ -157,7 +167,7 @@ def _full_group_hit(manager, request) -> int:
                 coordinator.block_pool,
                 group.kv_cache_spec,
                 False,
-                BLOCK_SIZE,
+                group.kv_cache_spec.block_size,
             )
             return hit
     return 0
@@ -169,12 +179,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
 
-    manager, num_blocks = make_manager(engine, layout, int(kv_gib * GIB), params)
+    manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params)
     # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens).
     chunk_cap = MimoConfig().prefill_chunk_tokens if engine == "mimo" else 0
     call = _Timed(manager)
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    hasher = get_request_block_hasher(hash_block_size, sha256)
     result = RunResult(engine, kv_gib, num_blocks, requests=len(requests))
     is_mimo = engine == "mimo"
     peak: dict[str, int] = {}

@@ -25,7 +25,11 @@ except ImportError:  # 0.32
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
     )
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.tokenizers.registry import cached_tokenizer_from_config
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -48,6 +52,7 @@ __all__ = [
     "get_kv_cache_groups",
     "get_request_block_hasher",
     "init_none_hash",
+    "resolve_kv_cache_block_sizes",
     "KVCacheBlock",
     "KVCacheBlocks",
     "KVCacheManager",
