@@ -285,3 +285,15 @@ def test_bad_anchor_hints_are_rejected(hints, message):
 def test_anchor_hints_parse():
     assert declared_anchors({"mimo": {"anchors": [10, 20], "pin": True}}) == ([10, 20], True)
     assert declared_anchors(None) == ([], False)
+
+
+def test_a_trimmed_hit_that_is_not_window_safe_is_refused():
+    m = _manager()
+    first = make_request("a", SYSTEM + [1] * 40)
+    _run(m, first, output=[5] * 3)
+    again = make_request("b", SYSTEM + [1] * 40)
+    blocks, hit, _ = m.get_computed_blocks(again)
+    assert hit == (again.num_tokens - 1) // BLOCK * BLOCK
+    with pytest.raises(ValueError, match="window-safe hit"):
+        m.allocate_slots(again, again.num_tokens - 8 * BLOCK, 8 * BLOCK)  # no window before 8
+    m.check_integrity()

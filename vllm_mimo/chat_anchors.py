@@ -72,7 +72,12 @@ def anchor_prefixes(messages: list[Any], system_anchor: bool) -> list[list[dict]
 
 
 async def _position(serving: Any, request: Any, prefix: list[dict], full_ids: list[int]) -> int | None:
-    key = json.dumps([prefix, request.chat_template, request.chat_template_kwargs], sort_keys=True, default=str)
+    tools = [t.model_dump() for t in request.tools] if request.tools else None
+    key = json.dumps(
+        [prefix, tools, request.chat_template, request.chat_template_kwargs, request.add_special_tokens],
+        sort_keys=True,
+        default=str,
+    )
     if key in _position_cache:
         _position_cache.move_to_end(key)
         return _position_cache[key]
@@ -111,7 +116,11 @@ def install(system_anchor: bool) -> None:
         prefixes = anchor_prefixes(request.messages, _system_anchor) + (_prefixes.get() or [])
         positions = set()
         for prefix in prefixes:
-            position = await _position(self, request, prefix, list(full_ids))
+            try:
+                position = await _position(self, request, prefix, list(full_ids))
+            except Exception as e:  # an anchor is an optimisation: never fail the request for it
+                logger.warning("vllm-mimo: skipping a chat anchor, its prefix did not render: %s", e)
+                continue
             if position:
                 positions.add(position)
         _anchors.set(sorted(positions) or None)
@@ -123,10 +132,11 @@ def install(system_anchor: bool) -> None:
     def to_sampling_params_with_anchors(self, *args, **kwargs):
         params = to_sampling_params(self, *args, **kwargs)
         anchors = _anchors.get()
-        if anchors:
-            _anchors.set(None)
+        _anchors.set(None)
+        hints = (params.extra_args or {}).get("mimo", {})
+        if anchors and isinstance(hints, dict):  # malformed hints are rejected by validation
             extra = dict(params.extra_args or {})
-            hints = dict(extra.get("mimo") or {})
+            hints = dict(hints)
             hints["anchors"] = sorted(set(hints.get("anchors", [])) | set(anchors))
             extra["mimo"] = hints
             params.extra_args = extra

@@ -87,6 +87,9 @@ def configure(vllm_config: Any) -> None:
     if model_config is None or getattr(model_config, "is_submodel_config", False):
         return
     config = MimoConfig.from_vllm_config(vllm_config)
+    from vllm_mimo.metrics import mark_frontend
+
+    mark_frontend()
     if config.pin_prompts_file:
         from vllm_mimo.pinning import read_pin_file
 

@@ -20,10 +20,22 @@ import time
 from typing import Any
 
 _PUBLISH_INTERVAL_S = 0.25
+# Set by the process that builds the engine's config (the front end) and inherited by the
+# engine and API-server processes it starts, so writer and readers agree on the file name.
+FRONTEND_PID_ENV = "_VLLM_MIMO_FRONTEND_PID"
 
 
-def snapshot_path(frontend_pid: int, engine_index: int) -> str:
-    return os.path.join(tempfile.gettempdir(), f"vllm-mimo-{frontend_pid}-engine{engine_index}.json")
+def frontend_pid() -> int:
+    return int(os.environ.get(FRONTEND_PID_ENV) or os.getpid())
+
+
+def mark_frontend() -> None:
+    """Called where the engine's config is built: this process is the engine's front end."""
+    os.environ.setdefault(FRONTEND_PID_ENV, str(os.getpid()))
+
+
+def snapshot_path(engine_index: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"vllm-mimo-{frontend_pid()}-engine{engine_index}.json")
 
 
 def manager_snapshot(manager: Any, model_name: str, engine_index: int) -> dict:
@@ -60,27 +72,34 @@ class SnapshotPublisher:
     """Writes an engine's snapshot for its front-end, at most every 0.25 s unless forced."""
 
     def __init__(self, engine_index: int) -> None:
-        self.path = snapshot_path(os.getppid(), engine_index)
+        self.path = snapshot_path(engine_index)
         self._last = 0.0
+        self._failed = False
 
     def publish(self, snapshot_fn, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last < _PUBLISH_INTERVAL_S:
+        if self._failed or (not force and now - self._last < _PUBLISH_INTERVAL_S):
             return
         self._last = now
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(snapshot_fn(), f)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snapshot_fn(), f)
+            os.replace(tmp, self.path)
+        except OSError as e:  # metrics must never take the engine down
+            self._failed = True
+            from vllm_mimo.log import logger
+
+            logger.warning("vllm-mimo: cannot write KV manager metrics to %s (%s); metrics are off", self.path, e)
 
     def remove(self) -> None:
         if os.path.exists(self.path):
             os.remove(self.path)
 
 
-def read_snapshots(frontend_pid: int | None = None) -> list[dict]:
-    """Snapshots of the engines this process (or `frontend_pid`) started, by engine index."""
-    pattern = snapshot_path(frontend_pid or os.getpid(), 0).replace("engine0", "engine*")
+def read_snapshots() -> list[dict]:
+    """Snapshots of the engines this process's front end started, by engine index."""
+    pattern = snapshot_path(0).replace("engine0.json", "engine*.json")
     out = []
     for path in sorted(glob.glob(pattern)):
         try:

@@ -73,7 +73,11 @@ def pinned_token_ids(prompts: list[PinnedPrompt], tokenizer: Any) -> list[list[i
 
 
 def pin_requests(vllm_config: Any, path: str, hash_block_size: int) -> list[Any]:
-    """Internal vLLM requests that prefill each pinned prompt and anchor its end."""
+    """Internal vLLM requests that prefill each pinned prompt and anchor its end.
+
+    Build them only once the engine has set up block hashing (its first step): their block
+    hashes must chain from the same seed as every user request's.
+    """
     from vllm.sampling_params import SamplingParams
 
     from vllm_mimo.compat import (
@@ -81,12 +85,10 @@ def pin_requests(vllm_config: Any, path: str, hash_block_size: int) -> list[Any]
         cached_tokenizer_from_config,
         get_hash_fn_by_name,
         get_request_block_hasher,
-        init_none_hash,
     )
 
     tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
     hasher = get_request_block_hasher(hash_block_size, hash_fn)
     requests = []
     for i, ids in enumerate(pinned_token_ids(read_pin_file(path), tokenizer)):

@@ -44,25 +44,28 @@ class KVGeometry:
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any) -> "KVGeometry":
-        from vllm_mimo.compat import FullAttentionSpec, RSWASpec, SlidingWindowSpec
+        from vllm_mimo.compat import FullAttentionSpec, SlidingWindowSpec
 
         full: list[int] = []
         swa: list[int] = []
         windows: set[int] = set()
         block_sizes: set[int] = set()
+        if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+            raise UnsupportedKVLayout(
+                "this KV cache needs new blocks zeroed (mixed-precision pages); the hybrid KV "
+                "manager does not zero blocks"
+            )
         for gid, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
-            if isinstance(spec, SlidingWindowSpec):
+            if type(spec) is SlidingWindowSpec:
                 swa.append(gid)
                 windows.add(spec.sliding_window)
-            elif isinstance(spec, FullAttentionSpec) and not (
-                RSWASpec is not None and isinstance(spec, RSWASpec)
-            ):
+            elif type(spec) is FullAttentionSpec:
                 full.append(gid)
             else:
                 raise UnsupportedKVLayout(
                     f"KV cache group {gid} has a {type(spec).__name__}; the hybrid KV manager "
-                    "handles only full-attention and sliding-window groups"
+                    "handles only plain full-attention and sliding-window groups"
                 )
             block_sizes.add(spec.block_size)
         if not full or not swa:

@@ -32,7 +32,7 @@ from vllm_mimo.block_manager.anchors import (
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cdiv
 from vllm_mimo.block_manager.metrics import KVManagerMetrics
 from vllm_mimo.block_manager.pools import BlockPools, Pool
-from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, TreeMatch
+from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, TreeMatch, window_safe_blocks
 from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats
 from vllm_mimo.config import MimoConfig, MimoConfigError
 
@@ -78,7 +78,9 @@ class _RequestBlocks:
     num_cached: int = 0
     """Positions already offered to the tree."""
     step_blocks: int = 0
-    """Positions allocated by the latest allocate_slots call."""
+    """SWA positions allocated by the latest allocate_slots call."""
+    lookahead_blocks: int = 0
+    """Positions the latest call allocated past its tokens, for speculative tokens."""
     anchor_ends: dict[int, tuple[AnchorKind, bool]] = field(default_factory=dict)
     """Anchors to place when caching reaches these block counts: kind, pinned."""
 
@@ -267,6 +269,7 @@ class HybridKVCacheManager:
             for i, gid in enumerate(self._swa_gids):
                 groups[gid].append(kv[swa[i]])
         state.step_blocks = swa_positions
+        state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
 
         if admitting:
             self._requests[rid] = state
@@ -277,23 +280,30 @@ class HybridKVCacheManager:
         return KVCacheBlocks(tuple(groups)) if full_positions or swa_positions else self.empty_kv_cache_blocks
 
     def _adoptable_path(self, request: Any, num_new_computed_tokens: int) -> list[Node]:
-        """The matched Full path of a request being admitted with a hit of that many tokens."""
+        """The matched Full path of a request being admitted with a hit of that many tokens.
+
+        The lookup's match is reused when it still holds: every node has its Full KV and the
+        hit is window-safe. Otherwise (the tree changed, or the caller trimmed the hit) the
+        prefix is matched again, and a hit that is no longer window-safe is refused.
+        """
         match = self._matches.pop(request.request_id, None)
         hit = num_new_computed_tokens // self.block_size
-        if hit == 0:
-            if match is None or any(n.full_blocks is None for n in match.path):
-                return []
+        if match is not None and self._still_holds(match.path, hit):
             return match.path
-        if match is None or match.safe_blocks < hit or any(n.full_blocks is None for n in match.path):
-            match = self.tree.match(
-                request.block_hashes, (request.num_tokens - 1) // self.block_size, self.window_blocks
-            )
-        if match.safe_blocks < hit:
+        match = self.tree.match(request.block_hashes, (request.num_tokens - 1) // self.block_size, self.window_blocks)
+        if hit and not self._still_holds(match.path, hit):
             raise ValueError(
                 f"request {request.request_id}: {num_new_computed_tokens} computed tokens passed in, "
                 f"but only {match.safe_blocks * self.block_size} are a window-safe hit"
             )
-        return match.path
+        return match.path if self.enable_caching else []
+
+    def _still_holds(self, path: list[Node], hit: int) -> bool:
+        return (
+            len(path) >= hit
+            and all(node.full_blocks is not None for node in path)
+            and window_safe_blocks(path[:hit], self.window_blocks) == hit
+        )
 
     @staticmethod
     def _takeover_count(path: list[Node], hit: int) -> int:
@@ -402,6 +412,7 @@ class HybridKVCacheManager:
                 node = state.nodes[pos]  # from the hit path: Full present, not ours
             else:
                 parent = state.nodes[pos - 1] if pos else tree.root
+                siblings = len(parent.children)
                 node = tree.child(parent, request.block_hashes[pos])
                 if node.full_blocks is None:
                     tree.set_full(node, state.full[pos])
@@ -410,7 +421,7 @@ class HybridKVCacheManager:
                 node.full_refs += 1
                 node.last_access = tick
                 state.nodes.append(node)
-                if len(parent.children) == 2 and parent is not tree.root:
+                if siblings == 1 and len(parent.children) == 2 and parent is not tree.root:
                     self._add_anchor(parent, AnchorKind.BRANCH, pinned=False)
             ids = state.swa[pos]
             if ids is not None and node.swa_blocks is None:
@@ -541,7 +552,8 @@ class HybridKVCacheManager:
         if request.is_finished() and state.num_cached and self.enable_caching:
             end = state.nodes[state.num_cached - 1]
             self._add_anchor(end, AnchorKind.OUTPUT_END, pinned=False)
-            prompt_end = state.nodes[min((request.num_prompt_tokens - 1) // self.block_size, state.num_cached) - 1]
+            prompt_blocks = min((request.num_prompt_tokens - 1) // self.block_size, state.num_cached)
+            prompt_end = state.nodes[prompt_blocks - 1] if prompt_blocks else end
             if prompt_end is not end and prompt_end.anchor is not None and prompt_end.anchor.kinds == {AnchorKind.PROMPT_END}:
                 # The next turn continues from the output's end; the prompt's end now only
                 # serves a retry of the same prompt, so it goes first when memory is short.
@@ -577,6 +589,7 @@ class HybridKVCacheManager:
         """Drop every cached block; refused (False) while requests hold blocks."""
         if self._requests:
             return False
+        self._matches.clear()
         for anchor in list(self.anchors):
             self._drop_anchor(anchor)
         while self._evict_full_leaf():
@@ -705,7 +718,7 @@ class HybridKVCacheManager:
                     swa_refs[id(node)] = swa_refs.get(id(node), 0) + 1
                 else:
                     own(ids, f"request {rid} swa@{pos}", Pool.SWA)
-            bound = self.anchor_window_blocks + 1 + state.step_blocks
+            bound = self.anchor_window_blocks + 1 + state.step_blocks + state.lookahead_blocks
             assert live <= bound, f"request {rid} holds {live} SWA positions, bound {bound}"
             for i, node in enumerate(state.nodes):
                 assert node.depth == i, (rid, i, node)

@@ -9,8 +9,9 @@ Moving across the boundary:
   * when it has none, it borrows a free block of the other pool, the one nearest the boundary;
   * a borrowed block goes back to its home pool's free list as soon as it is freed, so the
     ranges heal: a pool lends only blocks it has no use for at the moment.
-Only free blocks cross. Cached blocks stay in their pool until that pool's own eviction order
-(in the manager) frees them, so neither pool can make the other drop cached KV by borrowing.
+Only free blocks cross. Cached blocks leave a pool only through the manager's eviction order
+(Full KV past the deepest anchor first, then the least recently used anchors), whichever pool
+needs the space; a pool never takes another's cached block by borrowing.
 """
 
 from __future__ import annotations
@@ -74,18 +75,6 @@ class BlockPools:
         if used > self.peak_used[pool]:
             self.peak_used[pool] = used
         return block_id
-
-    def reassign(self, block_id: int, pool: Pool) -> None:
-        """Hand a block in use (just evicted from the cache) to `pool` without freeing it."""
-        was = self._owner[block_id]
-        if was != pool:
-            self.used[was] -= 1
-            self._owner[block_id] = pool
-            used = self.used[pool] = self.used[pool] + 1
-            if used > self.peak_used[pool]:
-                self.peak_used[pool] = used
-            if self.home(block_id) != pool:
-                self.borrowed[pool] += 1
 
     def give_back(self, block_id: int) -> None:
         """Return a block to its home pool's free list."""

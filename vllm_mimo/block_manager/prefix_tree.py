@@ -168,6 +168,11 @@ class PrefixTree:
         """Queue `node` for Full eviction if it is an unreferenced, unanchored Full leaf."""
         if self._is_garbage(node):
             heapq.heappush(self._garbage, (node.last_access, next(self._seq), node))
+            if len(self._garbage) > 2 * len(self.nodes) + 64:
+                # Entries go stale as nodes are reused or pruned; drop them now and then.
+                live = {id(n): (n.last_access, seq, n) for _, seq, n in self._garbage if self._is_garbage(n)}
+                self._garbage = list(live.values())
+                heapq.heapify(self._garbage)
 
     def pop_full_victim(self) -> Node | None:
         """The least recently used unreferenced, unanchored Full leaf, if any."""

@@ -33,6 +33,7 @@ class _MimoSchedulerMixin:
     mimo_layout: HybridLayout | None
     mimo_manager: HybridKVCacheManager | None = None
     _mimo_publisher: SnapshotPublisher | None = None
+    _mimo_pins_due = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -98,20 +99,35 @@ class _MimoSchedulerMixin:
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
-        if self.mimo_config.pin_prompts_file and self.cache_config.enable_prefix_caching:  # type: ignore[attr-defined]
-            requests = pin_requests(
-                self.vllm_config,  # type: ignore[attr-defined]
-                self.mimo_config.pin_prompts_file,
-                self.hash_block_size,  # type: ignore[attr-defined]
-            )
-            for request in requests:
-                self.add_request(request)  # type: ignore[attr-defined]
-            logger.info(
-                "vllm-mimo: prefilling %d pinned prompts from %s (%d tokens)",
-                len(requests),
-                self.mimo_config.pin_prompts_file,
-                sum(r.num_prompt_tokens for r in requests),
-            )
+        self._mimo_pins_due = bool(
+            self.mimo_config.pin_prompts_file and self.cache_config.enable_prefix_caching  # type: ignore[attr-defined]
+        )
+
+    def has_requests(self) -> bool:
+        # Pinned prompts are added on the first step, once the engine's block hashing is set
+        # up; claiming work until then makes the engine loop take that step without a user.
+        return self._mimo_pins_due or super().has_requests()  # type: ignore[misc]
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        if self._mimo_pins_due:
+            self._mimo_pins_due = False
+            self._add_pinned_prompts()
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
+
+    def _add_pinned_prompts(self) -> None:
+        requests = pin_requests(
+            self.vllm_config,  # type: ignore[attr-defined]
+            self.mimo_config.pin_prompts_file,
+            self.hash_block_size,  # type: ignore[attr-defined]
+        )
+        for request in requests:
+            self.add_request(request)  # type: ignore[attr-defined]
+        logger.info(
+            "vllm-mimo: prefilling %d pinned prompts from %s (%d tokens)",
+            len(requests),
+            self.mimo_config.pin_prompts_file,
+            sum(r.num_prompt_tokens for r in requests),
+        )
 
     def _log_pools(self) -> None:
         manager = self.mimo_manager
@@ -153,7 +169,8 @@ class _MimoSchedulerMixin:
 
     def make_stats(self, *args: Any, **kwargs: Any):
         # Called after every step; also the point where the front end learns our counters.
-        self._mimo_publish(force=not self.running)  # type: ignore[attr-defined]
+        idle = not self.running and not self.waiting  # type: ignore[attr-defined]
+        self._mimo_publish(force=idle)
         return super().make_stats(*args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
