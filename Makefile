@@ -37,5 +37,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests
 
+# lm-eval accuracy of the trained tiny MiMo: plugin off, plugin on, and `vllm serve` (issue 5)
+.PHONY: eval
+eval: setup
+	$(PY) -m eval.accuracy
+
 clean:
 	rm -rf $(VENV) models .pytest_cache

@@ -96,6 +96,11 @@ class _MimoSchedulerMixin:
             logger.warning("vllm-mimo: vLLM's own KV manager stays in place: %s", e)
             return
         self.kv_cache_manager = self.mimo_manager
+        if self.enable_kv_cache_events:  # type: ignore[attr-defined]
+            logger.warning(
+                "vllm-mimo: KV cache events are enabled, but the hybrid KV manager publishes "
+                "none; consumers of BlockStored/BlockRemoved events see nothing from this engine"
+            )
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
