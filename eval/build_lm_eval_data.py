@@ -67,18 +67,22 @@ def _load(files: list[Path], root: Path) -> list[tuple[str, list[str]]]:
     return [(str(p.relative_to(root)), [l.rstrip() for l in read_text(p).splitlines()]) for p in files]
 
 
-def build_gen(docs, tok, n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
+def _line_contexts(docs, tok, rng: random.Random):
+    """(file name, its lines, line index, context) for each usable line, in a seeded order."""
     candidates = [(fi, j) for fi, (_, lines) in enumerate(docs) for j in range(len(lines)) if _usable(lines[j])]
     rng.shuffle(candidates)
-    out = []
     for fi, j in candidates:
-        if len(out) >= n:
-            break
         name, lines = docs[fi]
         ctx = _context(lines, j, tok)
-        if ctx is None:
-            continue
+        if ctx is not None:
+            yield name, lines, j, ctx
+
+
+def build_gen(docs, tok, n: int, seed: int) -> list[dict]:
+    out = []
+    for name, lines, j, ctx in _line_contexts(docs, tok, random.Random(seed)):
+        if len(out) >= n:
+            break
         line = lines[j]
         indent = line[: len(line) - len(line.lstrip())]
         context = ctx + indent[:-1]
@@ -93,16 +97,10 @@ def build_gen(docs, tok, n: int, seed: int) -> list[dict]:
 
 def build_choice(docs, tok, n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    candidates = [(fi, j) for fi, (_, lines) in enumerate(docs) for j in range(len(lines)) if _usable(lines[j])]
-    rng.shuffle(candidates)
     out = []
-    for fi, j in candidates:
+    for name, lines, j, ctx in _line_contexts(docs, tok, rng):
         if len(out) >= n:
             break
-        name, lines = docs[fi]
-        ctx = _context(lines, j, tok)
-        if ctx is None:
-            continue
         true = lines[j]
         indent = true[: len(true) - len(true.lstrip())]
         seen = {true.strip()}

@@ -15,8 +15,9 @@ requests arrive at their trace timestamps.
 Reported per (engine, budget): prompt tokens; ideal hit tokens (unlimited memory: the longest
 prefix any earlier request computed); hit tokens (prompt tokens no layer recomputes); pseudo-hit
 tokens (cached by the Full layers, recomputed for want of SWA KV); recomputed prefill tokens
-(every prefill token computed, re-prefills after preemption included); peak blocks held by
-running requests per pool; mean CPU microseconds per manager call.
+(every prefill token computed, re-prefills after preemption included); time to first token in
+simulated seconds (mean and p90, arrival to the end of the step that completes the prompt);
+peak blocks held by running requests per pool; mean CPU microseconds per manager call.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class RunResult:
     peak_blocks: dict = field(default_factory=dict)
     mean_us_per_call: float = 0.0
     sim_seconds: float = 0.0
+    ttft_mean_s: float = 0.0
+    ttft_p90_s: float = 0.0
     wall_seconds: float = 0.0
     anchors: dict = field(default_factory=dict)
 
@@ -194,6 +197,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     running: list = []
     outputs: dict[str, list[int]] = {}
     in_prefill: dict[str, bool] = {}
+    ttft: dict[str, float] = {}  # simulated seconds from arrival to the end of the prefill
     now, wall0, last_report = 0.0, time.perf_counter(), 0.0
     finished = 0
 
@@ -290,6 +294,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that did not reach the end
             in_prefill[rid] = False
+            ttft.setdefault(rid, now - req.arrival_time)  # a re-prefill after preemption is not a first token
             out = outputs[rid]
             req.append_output_token_ids(out[req.num_output_tokens])
             if req.num_output_tokens >= len(out):
@@ -315,6 +320,10 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     result.peak_blocks = peak
     result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
     result.sim_seconds = now
+    if ttft:
+        first = sorted(ttft.values())
+        result.ttft_mean_s = sum(first) / len(first)
+        result.ttft_p90_s = first[int(0.9 * (len(first) - 1))]
     result.wall_seconds = time.perf_counter() - wall0
     return result
 
@@ -335,7 +344,7 @@ def print_table(runs: list[RunResult]) -> None:
     baseline = {r.kv_gib: r for r in runs if r.engine == "upstream-r0"}
     header = (
         f"{'engine':<15}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
-        f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'us/call':>9}{'x r0':>7}"
+        f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'TTFT s':>8}{'p90':>8}{'us/call':>9}{'x r0':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -346,7 +355,7 @@ def print_table(runs: list[RunResult]) -> None:
             f"{r.engine:<15}{r.kv_gib:>8.2f}{r.num_blocks:>9}{r.prompt_tokens:>11}{r.ideal_hit_tokens:>11}"
             f"{r.hit_tokens:>11}{100 * r.hit_ratio:>6.1f}%{100 * r.fraction_of_ideal:>8.1f}%"
             f"{r.pseudo_hit_tokens:>10}{r.recomputed_prefill_tokens:>11}{r.preemptions:>8}"
-            f"{r.mean_us_per_call:>9.0f} {ratio}"
+            f"{r.ttft_mean_s:>8.2f}{r.ttft_p90_s:>8.2f}{r.mean_us_per_call:>9.0f} {ratio}"
         )
 
 

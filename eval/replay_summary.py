@@ -4,8 +4,9 @@
 
 Per (source, budget): ideal hit tokens, upstream's default (retention 0), the best upstream
 setting, swa-free, the plugin, and the ratios the issue asks about: plugin / upstream default,
-plugin / best upstream, plugin / swa-free, pseudo hits as a share of the plugin's hits, and
-manager CPU microseconds per call (plugin / upstream default).
+plugin / best upstream, plugin / swa-free, pseudo hits as a share of the plugin's hits, mean
+simulated time to first token (plugin / upstream default), and manager CPU microseconds per call
+(plugin / upstream default).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def summary_rows(path: Path) -> list[str]:
             f"{mimo['hit_tokens']:,} | {ratio(mimo['hit_tokens'], r0['hit_tokens'])} | "
             f"{ratio(mimo['hit_tokens'], best['hit_tokens'])} | {ratio(mimo['hit_tokens'], free['hit_tokens'])} | "
             f"{100 * mimo['pseudo_hit_tokens'] / max(mimo['hit_tokens'], 1):.1f}% | "
+            f"{mimo['ttft_mean_s']:.2f} / {r0['ttft_mean_s']:.2f} | "
             f"{mimo['mean_us_per_call']:.0f} / {r0['mean_us_per_call']:.0f} |"
         )
     return rows
@@ -52,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         "| workload | KV GiB | ideal | upstream r0 | best upstream | swa-free | plugin | ÷ r0 | "
-        "÷ best upstream | ÷ swa-free | pseudo / hits | µs per call (plugin / r0) |"
+        "÷ best upstream | ÷ swa-free | pseudo / hits | TTFT s (plugin / r0) | µs per call (plugin / r0) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for path in args.files:
         for row in summary_rows(path):
             print(row)

@@ -202,6 +202,10 @@ def test_hot_prefix_anchor_after_enough_distinct_requests_reuse_it():
     _run(m, make_request("u4", SYSTEM + [4] * 40), output=[5])  # 3
     (hot,) = m.anchors_of_kind(AnchorKind.HOT)
     assert hot.node.depth + 1 == len(SYSTEM) // BLOCK
+    # The branch point u2 made is the same node: one anchor of two kinds, counted under both.
+    assert hot.kinds == {AnchorKind.BRANCH, AnchorKind.HOT}
+    assert m.metrics.anchors_kept["hot"] == m.anchors.created[AnchorKind.HOT] == 1
+    assert m.metrics.anchors_kept["branch"] == m.anchors.created[AnchorKind.BRANCH] == 1
 
 
 def test_prompt_end_anchor_serves_a_retry_of_the_same_prompt():
@@ -218,7 +222,19 @@ def test_grid_anchors_every_n_tokens_of_the_prompt():
     _run(m, make_request("g", SYSTEM + [1] * 40), output=[5])
     grid = sorted(a.node.depth + 1 for a in m.anchors_of_kind(AnchorKind.GRID))
     tail = [a.node.depth + 1 for a in m.anchors_of_kind(AnchorKind.PROMPT_TAIL)]
-    assert grid == [4] and tail == [8]  # 12 is the prompt end
+    assert grid == [4, 12] and tail == [8]  # 12 is the prompt end, and a grid point
+
+
+def test_a_prompt_end_on_the_grid_stays_a_grid_anchor_when_the_output_moves_on():
+    m = _manager(grid_anchor_tokens=4 * BLOCK)
+    prompt = list(range(7000, 7000 + 8 * BLOCK)) + [1]  # ends one token past the grid point at 8
+    _run(m, make_request("p", prompt), output=[5] * (2 * BLOCK))
+    (end,) = m.anchors_of_kind(AnchorKind.PROMPT_END)
+    assert end.node.depth + 1 == 8
+    assert end.kinds == {AnchorKind.PROMPT_END, AnchorKind.GRID}
+    assert end.last_used != float("-inf")  # not demoted behind the output's end
+    # A sibling branching at the grid point hits all of it.
+    assert _run(m, make_request("q", prompt[: 8 * BLOCK] + [2] * 40), output=[5]) == 8 * BLOCK
 
 
 def test_anchor_budget_evicts_least_recently_used_anchors_first():
@@ -254,6 +270,30 @@ def test_allocation_fails_cleanly_when_the_pools_cannot_hold_it():
     assert m.allocate_slots(req, req.num_tokens, hit, blocks) is None
     m.check_integrity()
     assert m.pools.used == [0, 0]
+
+
+def test_watermark_and_reserved_blocks_hold_back_admissions_as_upstream():
+    """vLLM's `--watermark` and `reserved_blocks`: headroom an admission must leave free."""
+    tokens = list(range(5000, 5000 + 4 * BLOCK))  # 4 positions: 4 Full + 8 SWA block ids
+    m = HybridKVCacheManager(
+        kv_config(40), 4096, BLOCK, BLOCK, max_num_running=4,
+        mimo_config=MimoConfig(grid_anchor_tokens=0), watermark=0.75,  # 30 of 40 blocks
+    )
+    free = m.pools.num_free(Pool.SWA) + m.pools.num_free(Pool.FULL)  # 39
+    req = make_request("w", tokens)
+    # While others run, a waiting request must leave the watermark free: 12 + 30 > 39.
+    assert m.allocate_slots(req, req.num_tokens, has_scheduled_reqs=True) is None
+    # Alone it is admitted; reserved blocks count against the free ones the same way.
+    assert m.allocate_slots(req, req.num_tokens, reserved_blocks=free - 11, has_scheduled_reqs=False) is None
+    assert m.allocate_slots(req, req.num_tokens, reserved_blocks=free - 12, has_scheduled_reqs=False) is not None
+    # A running request is not held back by the watermark.
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = req.num_tokens
+    req.append_output_token_ids(1)
+    assert m.allocate_slots(req, 1, has_scheduled_reqs=True) is not None
+    m.check_integrity()
+    with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\), got 1.5"):
+        HybridKVCacheManager(kv_config(40), 4096, BLOCK, BLOCK, watermark=1.5)
 
 
 def test_reset_prefix_cache_empties_the_tree_when_idle():

@@ -33,6 +33,12 @@ def test_hand_made_trace_hits_are_the_predicted_ones(tmp_path):
     assert runs[("mimo", 4.0)]["hit_tokens"] == 1008 + 512 + 512
     assert runs[("mimo", 4.0)]["pseudo_hit_tokens"] == 0
     assert runs[("swa-free", 4.0)]["hit_tokens"] == runs[("mimo", 4.0)]["ideal_hit_tokens"] == 2032
+    # Each request runs alone and prefills in one step: TTFT = 20 ms + 50 us per computed token.
+    def mean_ttft(hits: list[int]) -> float:
+        return sum(0.02 + (1024 - hit) * 50e-6 for hit in hits) / len(hits)
+
+    assert runs[("upstream-r0", 4.0)]["ttft_mean_s"] == pytest.approx(mean_ttft([0, 1008, 0, 512]))
+    assert runs[("mimo", 4.0)]["ttft_mean_s"] == pytest.approx(mean_ttft([0, 1008, 512, 512]))
 
 
 def test_smoke_run_on_a_small_workload(tmp_path):
@@ -41,9 +47,10 @@ def test_smoke_run_on_a_small_workload(tmp_path):
     assert {engine for engine, _ in runs} == set(replay.ENGINES)
     for run in runs.values():
         for key in ("prompt_tokens", "ideal_hit_tokens", "hit_tokens", "pseudo_hit_tokens",
-                    "recomputed_prefill_tokens", "peak_blocks", "mean_us_per_call"):
+                    "recomputed_prefill_tokens", "peak_blocks", "mean_us_per_call", "ttft_mean_s", "ttft_p90_s"):
             assert key in run
         assert 0 <= run["hit_tokens"] <= run["ideal_hit_tokens"] <= run["prompt_tokens"]
+        assert run["ttft_mean_s"] > 0 and run["ttft_p90_s"] > 0
     assert set(runs[("mimo", 4.0)]["peak_blocks"]) == {"swa", "full"}
 
 

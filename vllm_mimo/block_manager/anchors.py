@@ -82,6 +82,11 @@ class AnchorSet:
         (self._pinned if anchor.pinned else self._unpinned)[id(anchor)] = anchor
         self.created.update(anchor.kinds)
 
+    def add_kind(self, anchor: Anchor, kind: AnchorKind) -> None:
+        """A live anchor is now also of `kind`."""
+        anchor.kinds.add(kind)
+        self.created[kind] += 1
+
     def remove(self, anchor: Anchor) -> None:
         (self._pinned if anchor.pinned else self._unpinned).pop(id(anchor))
 

@@ -33,7 +33,7 @@ from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cd
 from vllm_mimo.block_manager.metrics import KVManagerMetrics
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, TreeMatch, window_safe_blocks
-from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats
+from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats, RequestStatus
 from vllm_mimo.config import MimoConfig, MimoConfigError
 
 
@@ -101,9 +101,11 @@ class HybridKVCacheManager:
         mimo_config: MimoConfig | None = None,
         max_num_running: int = 256,
         kv_blocks: list[KVCacheBlock] | None = None,
+        watermark: float = 0.0,
         **_vllm_kwargs: Any,
     ) -> None:
-        """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block)."""
+        """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block);
+        `watermark`: vLLM's `--watermark`, the share of blocks kept free when admitting."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if hash_block_size != geometry.block_size or scheduler_block_size != geometry.block_size:
             raise UnsupportedKVLayout(
@@ -132,6 +134,10 @@ class HybridKVCacheManager:
         self._n_full = len(self._full_gids)
         self._n_swa = len(self._swa_gids)
 
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        # As upstream: headroom kept for waiting and preempted admissions while others run.
+        self.watermark_blocks = int(watermark * geometry.num_blocks)
         self.anchor_budget_blocks = int(config.anchor_budget_fraction * (geometry.num_blocks - 1))
         if config.swa_pool_fraction is None:
             swa_blocks = auto_swa_pool_blocks(geometry, max_num_running, self.anchor_budget_blocks)
@@ -245,11 +251,16 @@ class HybridKVCacheManager:
             evictable -= self._n_swa * sum(
                 1 for n in hit_path[max(0, hit - self.window_blocks) : hit] if n.swa_refs == 0
             )
+        # As upstream: `reserved_blocks` stay free for other in-flight requests, and the
+        # watermark applies to waiting and preempted requests while others are scheduled.
+        headroom = reserved_blocks
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            headroom += self.watermark_blocks
         if full_sequence_must_fit:
             total = cdiv(min(request.num_tokens, self.max_model_len), bs) - have_full
-            if not self._fits(max(need_full, total * self._n_full) + need_swa, evictable):
+            if not self._fits(max(need_full, total * self._n_full) + need_swa + headroom, evictable):
                 return None
-        if not self._fits(need_full + need_swa, evictable):
+        if not self._fits(need_full + need_swa + headroom, evictable):
             return None
 
         if state is None:
@@ -430,8 +441,10 @@ class HybridKVCacheManager:
             due = state.anchor_ends.pop(pos + 1, None)
             if due is not None:
                 self._add_anchor(node, due[0], pinned=due[1])
-            elif grid and (pos + 1) % grid == 0 and pos < prompt_blocks and node.anchor is None:
-                last = (pos + 1) + grid >= prompt_blocks
+            if grid and (pos + 1) % grid == 0 and pos < prompt_blocks and (node.anchor is None or due is not None):
+                # A prompt end on the grid is a grid point too, so it is not demoted as a mere
+                # prompt end when the output moves on: later requests may branch there.
+                last = due is None and (pos + 1) + grid >= prompt_blocks
                 self._add_anchor(node, AnchorKind.PROMPT_TAIL if last else AnchorKind.GRID, pinned=False)
         state.num_cached = max(state.num_cached, end)
 
@@ -478,7 +491,10 @@ class HybridKVCacheManager:
             return
         anchor = node.anchor
         if anchor is not None:
-            anchor.kinds.add(kind)
+            if kind not in anchor.kinds:
+                # Counted as an anchor of this kind too, so kept, evicted and usefulness agree.
+                self.anchors.add_kind(anchor, kind)
+                self.metrics.anchors_kept[kind.value] += 1
             if pinned and not anchor.pinned:
                 self.anchors.pin(anchor)
             self.anchors.touch(anchor, self._tick)

@@ -91,6 +91,7 @@ class _MimoSchedulerMixin:
                 mimo_config=self.mimo_config,
                 max_num_running=self.max_num_running_reqs,  # type: ignore[attr-defined]
                 kv_blocks=upstream.block_pool.blocks,
+                watermark=getattr(self.scheduler_config, "watermark", 0.0),  # type: ignore[attr-defined]
             )
         except UnsupportedKVLayout as e:
             logger.warning("vllm-mimo: vLLM's own KV manager stays in place: %s", e)
