@@ -10,7 +10,7 @@ generated. No new turn starts after `--duration` seconds. Reported per side, fro
 `/metrics` and the clients' clocks: prompt tokens computed (prompt tokens minus prefix-cache
 hits), hit tokens, pseudo-hit tokens (the plugin's counter; upstream exposes no Full-vs-SWA
 split, so null there), time to first token p50/p90, and output tokens per second; plus the
-on/off ratios.
+on/off ratios, how many turns got the same answer on both sides, and one answer from each.
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ def _percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
-async def _drive(url: str, model: str, sessions: list[ChatSession], clients: int, duration_s: float, progress) -> tuple[list[float], int, float]:
-    """Replay the sessions; return TTFTs, output tokens and wall time."""
+async def _drive(url: str, model: str, sessions: list[ChatSession], clients: int, duration_s: float, progress) -> tuple[list[float], int, float, dict]:
+    """Replay the sessions; return TTFTs, output tokens, wall time and the answers by (session, turn)."""
     import httpx
 
     limit = asyncio.Semaphore(clients)
     ttfts: list[float] = []
+    answers: dict[tuple[int, int], str] = {}
     output_tokens = 0
     t0 = time.monotonic()
 
@@ -84,36 +85,37 @@ async def _drive(url: str, model: str, sessions: list[ChatSession], clients: int
             progress.update(1)
             return "".join(text)
 
-    async def session(client, s: ChatSession) -> None:
+    async def session(client, index: int, s: ChatSession) -> None:
         await asyncio.sleep(max(0.0, s.start_s - (time.monotonic() - t0)))
         messages = [{"role": "system", "content": s.system}]
-        for user, max_tokens in s.turns:
+        for turn_index, (user, max_tokens) in enumerate(s.turns):
             if time.monotonic() - t0 > duration_s:
                 progress.update(1)
                 continue
             messages.append({"role": "user", "content": user})
-            answer = await turn(client, messages, max_tokens)
+            answer = answers[index, turn_index] = await turn(client, messages, max_tokens)
             messages.append({"role": "assistant", "content": answer})
 
     async with httpx.AsyncClient() as client:
-        await asyncio.gather(*(session(client, s) for s in sessions))
-    return ttfts, output_tokens, time.monotonic() - t0
+        await asyncio.gather(*(session(client, i, s) for i, s in enumerate(sessions)))
+    return ttfts, output_tokens, time.monotonic() - t0, answers
 
 
-def run_side(side: str, model: str, kv_bytes: int, block_size: int, sessions: list[ChatSession], clients: int, duration_s: float) -> SideResult:
+def run_side(side: str, model: str, kv_bytes: int, block_size: int, dtype: str, sessions: list[ChatSession], clients: int, duration_s: float) -> tuple[SideResult, dict]:
+    """One side's results, and its answers by (session, turn)."""
     from tqdm import tqdm
 
     from vllm_mimo.testing.server import VllmServer
 
     env = {"VLLM_MIMO_ENABLE": "1" if side == "on" else "0"}
     server = VllmServer(model, "--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory-bytes",
-                        str(kv_bytes), "--block-size", str(block_size), "--served-model-name", "bench", env=env)
+                        str(kv_bytes), "--block-size", str(block_size), "--dtype", dtype, "--served-model-name", "bench", env=env)
     print(f"[bench_serve] plugin {side}: starting vllm serve (about 30 s) ...", file=sys.stderr, flush=True)
     with server:
         before = server.metrics()
         total = sum(len(s.turns) for s in sessions)
         with tqdm(total=total, desc=f"plugin {side}", unit="turn", file=sys.stderr) as progress:
-            ttfts, out_tokens, wall = asyncio.run(_drive(server.url, "bench", sessions, clients, duration_s, progress))
+            ttfts, out_tokens, wall, answers = asyncio.run(_drive(server.url, "bench", sessions, clients, duration_s, progress))
         time.sleep(1.0)  # let the engine publish its last counters
         after = server.metrics()
 
@@ -132,7 +134,7 @@ def run_side(side: str, model: str, kv_bytes: int, block_size: int, sessions: li
         requests=len(ttfts),
         output_tokens=out_tokens,
         wall_s=wall,
-    )
+    ), answers
 
 
 def print_table(on: SideResult, off: SideResult, ratios: dict) -> None:
@@ -165,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=16, help="chat sessions to replay, >= 1 (default: 16)")
     parser.add_argument("--block-size", type=int, default=32, help="KV block size for both sides, a multiple of 32 on CPU (default: 32; vLLM's CPU default is 128)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="model dtype for both sides (default: auto, the checkpoint's bf16; float32 makes greedy answers independent of which prefix was cached, and needs twice the KV bytes, e.g. --kv-gib 0.03)")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     for name, value, ok, allowed in (
@@ -180,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(bundled_model())
     sessions = chat_sessions(args.workload, args.seed, args.sessions)
     kv_bytes = int(args.kv_gib * GIB)
-    off = run_side("off", model, kv_bytes, args.block_size, sessions, args.clients, args.duration)
-    on = run_side("on", model, kv_bytes, args.block_size, sessions, args.clients, args.duration)
+    off, off_answers = run_side("off", model, kv_bytes, args.block_size, args.dtype, sessions, args.clients, args.duration)
+    on, on_answers = run_side("on", model, kv_bytes, args.block_size, args.dtype, sessions, args.clients, args.duration)
+    both = sorted(set(on_answers) & set(off_answers))
+    same = sum(on_answers[k] == off_answers[k] for k in both)
     ratios = {
         "prompt_tokens_computed": _ratio(on.prompt_tokens_computed, off.prompt_tokens_computed),
         "hit_tokens": _ratio(on.hit_tokens, off.hit_tokens),
@@ -192,11 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nbench_serve: {args.workload}, {len(sessions)} sessions, {args.clients} clients, "
           f"{args.kv_gib} GiB KV, block size {args.block_size}, model {model}")
     print_table(on, off, ratios)
+    if both:
+        first = both[0]
+        print(f"\nsame answer with the plugin on and off: {same} of {len(both)} turns (greedy; in bf16 a "
+              f"prefix read from the cache and one computed in the same step round differently, upstream "
+              f"too; with --dtype float32 the answers match)")
+        print(f"session {first[0]}, turn {first[1]}, plugin off: {off_answers[first]!r}")
+        print(f"session {first[0]}, turn {first[1]}, plugin on:  {on_answers[first]!r}")
     if args.json:
         args.json.write_text(json.dumps({
             "workload": args.workload, "model": model, "kv_gib": args.kv_gib, "clients": args.clients,
-            "block_size": args.block_size,
+            "block_size": args.block_size, "dtype": args.dtype,
             "sessions": len(sessions), "on": asdict(on), "off": asdict(off), "ratios": ratios,
+            "turns_compared": len(both), "same_answers": same,
         }, indent=2) + "\n")
     return 0
 

@@ -63,8 +63,8 @@ class VllmServer:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(
-                    f"vllm serve exited with code {self._proc.returncode} during startup; "
-                    f"last log lines:\n{self.tail()}"
+                    f"vllm serve exited with code {self._proc.returncode} during startup: "
+                    f"{self.root_cause()}\nfull log: {self.log_path}; last log lines:\n{self.tail()}"
                 )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -100,6 +100,14 @@ class VllmServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def root_cause(self) -> str:
+        """The first exception message in the log (vLLM's engine errors come before the wrappers')."""
+        for line in self.log_text().splitlines():
+            found = _EXCEPTION.match(line)
+            if found:
+                return found.group(1)
+        return "no exception in the log"
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -110,6 +118,8 @@ class VllmServer:
         return parse_prometheus(text)
 
 
+# A traceback's last line, bare or behind vLLM's "(EngineCore pid=N) ERROR <time> [file:line] " prefix.
+_EXCEPTION = re.compile(r"^(?:\(.*?\) ERROR .*?\] )?([A-Z]\w*(?:Error|Exception): .*)$")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
