@@ -10,13 +10,16 @@ real `Request` objects with vLLM's block hasher, and the same scheduling loop: F
 requests first, chunked prefill under a token budget, recompute preemption of the newest running
 request, a cap on running requests, decode one token per step, blocks freed at the end. Time is
 simulated: each step costs a fixed decode time plus a prefill cost per computed token, and
-requests arrive at their trace timestamps.
+requests arrive at their timestamps. A session's next turn, whose prompt holds the previous
+turn's answer, is sent at its timestamp or when that answer is complete, whichever is later
+(`--open-loop`: at its timestamp even so, as if the answer were known in advance). Mooncake
+traces carry no answers, so their requests always arrive at their timestamps.
 
 Reported per (engine, budget): prompt tokens; ideal hit tokens (unlimited memory: the longest
 prefix any earlier request computed); hit tokens (prompt tokens no layer recomputes); pseudo-hit
 tokens (cached by the Full layers, recomputed for want of SWA KV); recomputed prefill tokens
 (every prefill token computed, re-prefills after preemption included); time to first token in
-simulated seconds (mean and p90, arrival to the end of the step that completes the prompt);
+simulated seconds (mean and p90, from sending to the end of the step that completes the prompt);
 peak blocks held by running requests per pool; mean CPU microseconds per manager call.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
 import json
 import sys
 import time
@@ -40,7 +44,15 @@ from eval.layouts import (
     with_retention,
 )
 from vllm_mimo.config import MimoConfig
-from eval.workloads import WORKLOADS, ReplayRequest, make_workload, read_mooncake, segment_tokens, tokens
+from eval.workloads import (
+    WORKLOADS,
+    ReplayRequest,
+    make_workload,
+    previous_turns,
+    read_mooncake,
+    segment_tokens,
+    tokens,
+)
 
 ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo")
 GIB = 1 << 30
@@ -53,6 +65,8 @@ class SimParams:
     max_model_len: int = 131072
     prefill_s_per_token: float = 1 / 20000
     decode_s_per_step: float = 0.02
+    closed_loop: bool = True
+    """A next turn waits for the answer its prompt contains."""
 
 
 @dataclass
@@ -192,7 +206,14 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     is_mimo = engine == "mimo"
     peak: dict[str, int] = {}
 
-    pending = deque(range(len(requests)))
+    # Requests not yet sent, by send time; a next turn joins when its previous turn finishes.
+    previous = previous_turns(requests) if params.closed_loop else [None] * len(requests)
+    pending = [(r.arrival_s, i) for i, r in enumerate(requests) if previous[i] is None]
+    heapq.heapify(pending)
+    next_turns: dict[str, list[int]] = {}
+    for i, prev in enumerate(previous):
+        if prev is not None:
+            next_turns.setdefault(str(prev), []).append(i)
     waiting: deque = deque()
     running: list = []
     outputs: dict[str, list[int]] = {}
@@ -201,12 +222,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     now, wall0, last_report = 0.0, time.perf_counter(), 0.0
     finished = 0
 
-    def make_request(i: int):
+    def make_request(i: int, sent_s: float):
         r = requests[i]
         outputs[str(i)] = list(segment_tokens(r.output))
         req = Request(
             str(i), tokens(r.prompt), SamplingParams(max_tokens=r.output.length), None,
-            arrival_time=r.arrival_s, block_hasher=hasher,
+            arrival_time=sent_s, block_hasher=hasher,
         )
         return req
 
@@ -220,12 +241,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         result.preemptions += 1
 
     while pending or waiting or running:
-        while pending and requests[pending[0]].arrival_s <= now:
-            i = pending.popleft()
-            waiting.append(make_request(i))
+        while pending and pending[0][0] <= now:
+            sent_s, i = heapq.heappop(pending)
+            waiting.append(make_request(i, sent_s))
             in_prefill[str(i)] = True
         if not waiting and not running:
-            now = requests[pending[0]].arrival_s
+            now = pending[0][0]
             continue
         budget = params.token_budget
         scheduled: dict[str, int] = {}
@@ -302,6 +323,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 call("free", req)
                 running.remove(req)
                 finished += 1
+                for i in next_turns.pop(rid, ()):
+                    heapq.heappush(pending, (max(requests[i].arrival_s, now), i))
         if progress and time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()
             print(
@@ -394,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
     parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")
+    parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -428,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_requests:
         requests = requests[: args.max_requests]
-    params = SimParams(max_running=args.max_running)
+    params = SimParams(max_running=args.max_running, closed_loop=not args.open_loop)
     too_long = [i for i, r in enumerate(requests) if r.prompt_len + r.output.length > params.max_model_len]
     if too_long:
         print(f"error: request {too_long[0]} is longer than max_model_len {params.max_model_len}", file=sys.stderr)

@@ -159,6 +159,18 @@ def make_workload(name: str, seed: int = 0, scale: float = 1.0) -> list[ReplayRe
     return sorted(WORKLOADS[name](seed, scale), key=lambda r: r.arrival_s)
 
 
+def previous_turns(requests: list[ReplayRequest]) -> list[int | None]:
+    """Per request, the latest earlier request whose answer its prompt contains (its session's
+    previous turn), or None. Mooncake traces carry no answers, so their requests have none."""
+    answered_by: dict[Segment, int] = {}
+    out: list[int | None] = []
+    for i, r in enumerate(requests):
+        found = [answered_by[s] for s in r.prompt if s in answered_by]
+        out.append(max(found) if found else None)
+        answered_by[r.output] = i
+    return out
+
+
 # ------------------------------------------------------------------ Mooncake traces
 
 

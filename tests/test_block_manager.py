@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.kv_helpers import BLOCK, kv_config, make_request
-from vllm_mimo.block_manager.anchors import AnchorHintError, AnchorKind, declared_anchors
+from vllm_mimo.block_manager.anchors import Anchor, AnchorHintError, AnchorKind, AnchorSet, declared_anchors
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout
 from vllm_mimo.block_manager.manager import HybridKVCacheManager
 from vllm_mimo.block_manager.pools import BlockPools, Pool
@@ -19,22 +19,22 @@ from vllm_mimo.config import MimoConfig, MimoConfigError
 def test_pools_split_the_ids_and_keep_the_null_block_out():
     pools = BlockPools(num_blocks=10, swa_blocks=3)
     assert pools.home_size == (3, 6)
-    swa = [pools.take(Pool.SWA, borrow=False) for _ in range(3)]
-    full = [pools.take(Pool.FULL, borrow=False) for _ in range(6)]
+    swa = pools.take_many(Pool.SWA, 3)
+    full = pools.take_many(Pool.FULL, 6)
     assert sorted(swa) == [1, 2, 3] and sorted(full) == [4, 5, 6, 7, 8, 9]
+    assert pools.borrowed == [0, 0]
     pools.check_integrity()
 
 
 def test_an_empty_pool_borrows_the_free_block_nearest_the_boundary_and_it_goes_home():
     pools = BlockPools(num_blocks=10, swa_blocks=3)
-    for _ in range(3):
-        pools.take(Pool.SWA, borrow=False)
-    with pytest.raises(RuntimeError):
-        pools.take(Pool.SWA, borrow=False)
-    borrowed = pools.take(Pool.SWA, borrow=True)
-    assert borrowed == 4 and pools.owner(4) == Pool.SWA and pools.borrowed[Pool.SWA] == 1
-    pools.give_back(borrowed)
-    assert pools.owner(4) == Pool.FULL and pools.num_free(Pool.FULL) == 6
+    own = pools.take_many(Pool.SWA, 3)
+    borrowed = pools.take_many(Pool.SWA, 1)
+    assert borrowed == [4] and pools.owner(4) == Pool.SWA and pools.borrowed[Pool.SWA] == 1
+    pools.give_back(borrowed + own)
+    assert pools.owner(4) == Pool.FULL and pools.num_free(Pool.FULL) == 6 and pools.used == [0, 0]
+    with pytest.raises(RuntimeError, match="10 blocks asked of the SWA pool, 9 free"):
+        pools.take_many(Pool.SWA, 10)
     pools.check_integrity()
 
 
@@ -208,6 +208,49 @@ def test_hot_prefix_anchor_after_enough_distinct_requests_reuse_it():
     assert m.metrics.anchors_kept["branch"] == m.anchors.created[AnchorKind.BRANCH] == 1
 
 
+def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node():
+    tree = PrefixTree()
+    a, b, c = _chain(tree, 3)
+    anchors = AnchorSet()
+    old = Anchor(a, [a], AnchorKind.PROMPT_END, pinned=False, now=1)
+    hot = Anchor(b, [b], AnchorKind.HOT, pinned=False, now=2)
+    grid = Anchor(c, [c], AnchorKind.GRID, pinned=False, now=3)
+    for anchor in (old, hot, grid):
+        anchors.add(anchor)
+    assert anchors.victim() is old
+    anchors.hold(hot)
+    anchors.hold(grid)  # not a hot prefix: a held grid point keeps its place
+    assert list(anchors) == [old, grid, hot]
+    anchors.remove(old)
+    assert anchors.victim() is grid
+    anchors.release(hot, now=9)  # the last holder let go: just used
+    assert list(anchors) == [grid, hot] and hot.last_used == 9
+    anchors.hold(hot)
+    anchors.demote(hot)  # demoted: first to go, held or not
+    assert anchors.victim() is hot
+
+
+def test_a_hot_prefix_held_by_a_running_request_outlives_older_anchors():
+    m = _manager(hot_prefix_min_hits=2, anchor_budget_fraction=0.05)
+    for i in range(3):  # u1 computes the prefix; u2 and u3 reuse it: hot
+        _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5])
+    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    holder = make_request("holder", SYSTEM + [9] * (8 * BLOCK))  # its window moves past the prefix
+    blocks, hit, _ = m.get_computed_blocks(holder)
+    assert hit == len(SYSTEM) and m.allocate_slots(holder, holder.num_tokens - hit, hit, blocks)
+    holder.status = RequestStatus.RUNNING
+    for i in range(12):  # newer anchors of other sessions overflow the anchor budget
+        hints = {"mimo": {"anchors": [3 * BLOCK]}}
+        _run(m, make_request(f"s{i}", [9000 + i] * 60, extra_args=hints), output=[5] * 30)
+    assert m.metrics.anchors_evicted["declared"] > 0
+    assert hot in m.anchors_of_kind(AnchorKind.HOT)
+    holder.status = RequestStatus.FINISHED_STOPPED
+    m.free(holder)
+    m.check_integrity()
+    assert list(m.anchors)[-1] is hot  # released to the recent end of the order
+    assert _run(m, make_request("late", SYSTEM + [8] * 40), output=[5]) == len(SYSTEM)
+
+
 def test_prompt_end_anchor_serves_a_retry_of_the_same_prompt():
     m = _manager()
     prompt = SYSTEM + [1] * 40
@@ -251,16 +294,32 @@ def test_running_request_keeps_only_its_window_of_swa_blocks():
     _run(m, req, output=[], chunk=3 * BLOCK)  # check_integrity bounds SWA blocks every step
 
 
-def test_preempted_request_is_released_without_end_anchors():
+def test_preempted_request_leaves_a_resume_anchor_and_resumes_from_it():
     m = _manager()
-    req = make_request("p", SYSTEM + [1] * 40)
+    req = make_request("p", SYSTEM + [1] * 40, max_tokens=64)
     blocks, hit, _ = m.get_computed_blocks(req)
     assert m.allocate_slots(req, req.num_tokens, hit, blocks) is not None
     req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = req.num_tokens
+    for token in range(30):  # decoding past the prompt's end
+        req.append_output_token_ids(token)
+        assert m.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
     m.free(req)  # preemption: the scheduler frees a running request
     m.check_integrity()
     assert not m.anchors_of_kind(AnchorKind.OUTPUT_END)
+    (resume,) = m.anchors_of_kind(AnchorKind.RESUME)
+    assert resume.node.depth + 1 == req.num_tokens // BLOCK
     assert m.pools.used[Pool.SWA] == m._swa_retained
+    req.status = RequestStatus.PREEMPTED
+    req.num_computed_tokens = 0
+    req.num_preemptions += 1
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert hit == req.num_tokens // BLOCK * BLOCK  # all its full blocks, window-safe
+    assert m.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
+    m.check_integrity()
+    assert resume.last_used == float("-inf")  # passed: first to go now
+    assert m.metrics.preempted_hit_tokens == hit and m.metrics.hit_tokens == 0
 
 
 def test_allocation_fails_cleanly_when_the_pools_cannot_hold_it():

@@ -43,6 +43,8 @@ def test_multi_turn_sessions_under_preemption_give_the_same_tokens(sessions):
     on, off = sessions["on"], sessions["off"]
     assert on.preemptions > 0 and off.preemptions > 0, "the KV budget did not force preemption"
     assert on.mimo["pools"]["full"]["evicted_blocks"] > 0, "the KV budget did not force eviction"
+    # Preempted requests left resume anchors and came back through them, exactly.
+    assert on.mimo["anchors_kept"].get("resume", 0) > 0 and on.mimo["preempted_hit_tokens"] > 0
     assert [[o["ids"] for o in turn] for turn in on.turns] == [[o["ids"] for o in turn] for turn in off.turns]
 
 

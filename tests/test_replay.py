@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eval import replay
-from eval.workloads import TraceError, read_mooncake
+from eval.workloads import ReplayRequest, Segment, TraceError, previous_turns, read_mooncake
 
 DATA = Path(__file__).with_name("data")
 
@@ -52,6 +52,28 @@ def test_smoke_run_on_a_small_workload(tmp_path):
         assert 0 <= run["hit_tokens"] <= run["ideal_hit_tokens"] <= run["prompt_tokens"]
         assert run["ttft_mean_s"] > 0 and run["ttft_p90_s"] > 0
     assert set(runs[("mimo", 4.0)]["peak_blocks"]) == {"swa", "full"}
+
+
+def test_a_next_turn_is_sent_when_the_answer_it_contains_is_complete():
+    """Turn 2's timestamp falls while turn 1 still decodes its 200-token answer."""
+    system, answer = Segment(11, 400), Segment(12, 200)
+    turns = [
+        ReplayRequest(0.0, (system,), answer),
+        ReplayRequest(0.1, (system, answer, Segment(13, 50)), Segment(14, 5)),
+    ]
+    assert previous_turns(turns) == [None, 0]
+    ideal = replay.ideal_hits(turns)
+    assert ideal == [0, 592]  # 649 prompt tokens less the last, in whole 16-token blocks
+    closed = replay.simulate("mimo", "mimo-v2.5-pro", 4, turns, ideal, replay.SimParams(), progress=False)
+    assert closed.hit_tokens == 592
+    # Sent when turn 1 finished (one prefill step, then 199 decode steps), prefilled in one step.
+    turn1_ttft = 0.02 + 400 * 50e-6
+    turn2_ttft = 0.02 + (650 - 592) * 50e-6
+    assert closed.sim_seconds == pytest.approx(turn1_ttft + 199 * 0.02 + turn2_ttft + 4 * 0.02)
+    assert closed.ttft_mean_s == pytest.approx((turn1_ttft + turn2_ttft) / 2)
+    open_loop = replay.SimParams(closed_loop=False)
+    early = replay.simulate("mimo", "mimo-v2.5-pro", 4, turns, ideal, open_loop, progress=False)
+    assert early.hit_tokens < 592  # sent before the answer existed: only what was computed
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,14 @@ An anchor ends at a tree node (a block boundary). It covers that node and the an
 there needs (`window_blocks` nodes); while it lives, their SWA blocks are not freed. Anchors
 are evicted least recently used first, pinned anchors last, whenever the SWA KV they retain
 exceeds the anchor budget or the SWA pool needs the blocks.
+
+A hot prefix whose node running requests hold is in use, as a block held by a running request
+is in use for vLLM's LRU: it goes after every other unpinned anchor, and back to the recent end
+of the order when the last holder lets go. Its Full KV stays resident for the holders anyway,
+so evicting it would free only its SWA window, and the next request to reach it (another
+session on the same system prompt) would recompute the whole shared prefix. Other kinds are not
+held: a session holds every grid and branch point of its own past turns, and keeping all of
+those for as long as it runs costs more hits than it saves (measured in eval/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,12 +31,19 @@ class AnchorKind(str, Enum):
     OUTPUT_END = "output_end"  # where a finished request's output ends (the next turn's prefix)
     GRID = "grid"  # every `grid_anchor_tokens` of a prompt, where a later request may branch off
     PROMPT_TAIL = "prompt_tail"  # the last grid point before a prompt's end
+    RESUME = "resume"  # where a preempted request's cached KV ends; it resumes there
 
+
+SHARED_KINDS = frozenset({AnchorKind.HOT})
+"""Prefixes that several requests reach: in use while a running request holds the node."""
 
 SPECULATIVE_KINDS = frozenset(
     {AnchorKind.GRID, AnchorKind.PROMPT_TAIL, AnchorKind.PROMPT_END, AnchorKind.OUTPUT_END}
 )
 """Anchors placed on every request in case a later one branches there; most never serve."""
+
+PASSED_KINDS = SPECULATIVE_KINDS | {AnchorKind.RESUME}
+"""Anchors that have done their job once the request continuing from them moves on."""
 
 
 class Anchor:
@@ -52,10 +67,12 @@ class Anchor:
 
 
 class AnchorSet:
-    """Live anchors in eviction order: least recently used first, pinned after all others."""
+    """Live anchors in eviction order: least recently used first, then hot prefixes held by
+    running requests, pinned anchors after all others."""
 
     def __init__(self) -> None:
         self._unpinned: OrderedDict[int, Anchor] = OrderedDict()
+        self._held: OrderedDict[int, Anchor] = OrderedDict()
         self._pinned: OrderedDict[int, Anchor] = OrderedDict()
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
@@ -72,11 +89,17 @@ class AnchorSet:
         self.touch(anchor, now)
 
     def __len__(self) -> int:
-        return len(self._unpinned) + len(self._pinned)
+        return len(self._unpinned) + len(self._held) + len(self._pinned)
 
     def __iter__(self) -> Iterator[Anchor]:
         yield from self._unpinned.values()
+        yield from self._held.values()
         yield from self._pinned.values()
+
+    def _queue(self, anchor: Anchor) -> OrderedDict[int, Anchor]:
+        if anchor.pinned:
+            return self._pinned
+        return self._held if id(anchor) in self._held else self._unpinned
 
     def add(self, anchor: Anchor) -> None:
         (self._pinned if anchor.pinned else self._unpinned)[id(anchor)] = anchor
@@ -88,28 +111,47 @@ class AnchorSet:
         self.created[kind] += 1
 
     def remove(self, anchor: Anchor) -> None:
-        (self._pinned if anchor.pinned else self._unpinned).pop(id(anchor))
+        self._queue(anchor).pop(id(anchor))
 
     def touch(self, anchor: Anchor, now: float) -> None:
         """Mark as just used: last in its eviction order."""
         anchor.last_used = now
-        (self._pinned if anchor.pinned else self._unpinned).move_to_end(id(anchor))
+        self._queue(anchor).move_to_end(id(anchor))
 
     def demote(self, anchor: Anchor) -> None:
         """Mark as no longer needed: first in its eviction order."""
         anchor.last_used = float("-inf")
-        (self._pinned if anchor.pinned else self._unpinned).move_to_end(id(anchor), last=False)
+        if id(anchor) in self._held:
+            self._unpinned[id(anchor)] = self._held.pop(id(anchor))
+        self._queue(anchor).move_to_end(id(anchor), last=False)
+
+    def hold(self, anchor: Anchor) -> None:
+        """A running request now holds the anchor's node: a hot prefix is in use."""
+        if (
+            anchor.kinds & SHARED_KINDS
+            and id(anchor) in self._unpinned
+            and anchor.last_used != float("-inf")
+        ):
+            self._held[id(anchor)] = self._unpinned.pop(id(anchor))
+
+    def release(self, anchor: Anchor, now: float) -> None:
+        """No running request holds the anchor's node any more: just used."""
+        if id(anchor) in self._held:
+            self._unpinned[id(anchor)] = self._held.pop(id(anchor))
+            anchor.last_used = now
 
     def pin(self, anchor: Anchor) -> None:
         if not anchor.pinned:
-            self._unpinned.pop(id(anchor))
+            self._queue(anchor).pop(id(anchor))
             anchor.pinned = True
             self._pinned[id(anchor)] = anchor
 
-    def oldest(self, pinned: bool) -> Anchor | None:
-        """The least recently used pinned or unpinned anchor."""
-        queue = self._pinned if pinned else self._unpinned
-        return next(iter(queue.values())) if queue else None
+    def victim(self) -> Anchor | None:
+        """The anchor to evict next: unpinned, then held hot prefixes, then pinned."""
+        for queue in (self._unpinned, self._held, self._pinned):
+            if queue:
+                return next(iter(queue.values()))
+        return None
 
 
 class AnchorHintError(ValueError):

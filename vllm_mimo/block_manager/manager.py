@@ -12,8 +12,9 @@ unreferenced node never has a referenced descendant and Full eviction can always
 
 Where a new block comes from: the pool's own free list, else the other pool's free list (see
 `pools.py`), else eviction: first Full KV past the deepest anchor of its path (no hit can end
-there), then the least recently used anchor with the Full KV only it made reachable, pinned
-anchors last. Anchors also have a budget (`anchor_budget_fraction`); over it, the oldest go.
+there), then the least recently used anchor with the Full KV only it made reachable (hot
+prefixes that running requests hold after the others, see `anchors.py`), pinned anchors last.
+Anchors also have a budget (`anchor_budget_fraction`); over it, the oldest go.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import (
+    PASSED_KINDS,
     SPECULATIVE_KINDS,
     Anchor,
     AnchorKind,
@@ -336,9 +338,7 @@ class HybridKVCacheManager:
         """
         tick = self._tick
         for node in path:
-            if node.full_refs == 0:
-                self._full_cached_unref -= self._n_full
-            node.full_refs += 1
+            self._ref_full(node)
             node.last_access = tick
         state.nodes = list(path)
         state.full = [node.full_blocks for node in path[: hit + takeover]]
@@ -354,7 +354,7 @@ class HybridKVCacheManager:
         anchor = path[hit - 1].anchor if hit else None
         if anchor is not None:
             self.anchors.record_hit(anchor, tick)
-            if anchor.kinds <= SPECULATIVE_KINDS and len(path) == hit:
+            if anchor.kinds <= PASSED_KINDS and len(path) == hit:
                 # The next step of a session going on from where the last one ended: that
                 # anchor has done its job (this request leaves its own further on).
                 self.anchors.demote(anchor)
@@ -392,24 +392,16 @@ class HybridKVCacheManager:
 
     def _fits(self, need: int, evictable: int) -> bool:
         """Whether `_take` can find `need` block ids: free ones first, then by evicting."""
-        pools = self.pools
-        return need <= pools.num_free(Pool.SWA) + pools.num_free(Pool.FULL) + evictable
+        return need <= self.pools.num_free_total() + evictable
 
     def _take(self, need_full: int, need_swa: int) -> tuple[list[int], list[int]]:
-        """Block ids for both pools: own free, then borrowed free, then evicting (LRU)."""
-        full: list[int] = []
-        swa: list[int] = []
-        while self._take_free(full, need_full, Pool.FULL) | self._take_free(swa, need_swa, Pool.SWA):
+        """Block ids for both pools: evict (LRU) until enough are free, then own free first,
+        then borrowed."""
+        pools = self.pools
+        while pools.num_free_total() < need_full + need_swa:
             if not self._evict_lru():
                 raise AssertionError("allocation plan and pools disagree")
-        return full, swa
-
-    def _take_free(self, out: list[int], need: int, pool: Pool) -> bool:
-        """Free blocks (own first, then borrowed) into `out` up to `need`; True if still short."""
-        pools = self.pools
-        while len(out) < need and (pools.num_free(pool) or pools.num_free(Pool(1 - pool))):
-            out.append(pools.take(pool, borrow=True))
-        return len(out) < need
+        return pools.take_many(Pool.FULL, need_full), pools.take_many(Pool.SWA, need_swa)
 
     # ------------------------------------------------------------ tree updates
 
@@ -427,9 +419,9 @@ class HybridKVCacheManager:
                 node = tree.child(parent, request.block_hashes[pos])
                 if node.full_blocks is None:
                     tree.set_full(node, state.full[pos])
-                elif node.full_refs == 0:
-                    self._full_cached_unref -= self._n_full
-                node.full_refs += 1
+                    node.full_refs += 1  # a new node: never counted as cached-unreferenced
+                else:
+                    self._ref_full(node)
                 node.last_access = tick
                 state.nodes.append(node)
                 if siblings == 1 and len(parent.children) == 2 and parent is not tree.root:
@@ -467,8 +459,24 @@ class HybridKVCacheManager:
             if node is not None and node.swa_blocks is ids:
                 self._release_swa(node)
             else:
-                self._give_back(ids)
+                self.pools.give_back(ids)
         state.swa_start = max(state.swa_start, first_needed)
+
+    def _ref_full(self, node: Node) -> None:
+        """A running request takes a reference on a cached node's Full blocks."""
+        if node.full_refs == 0:
+            self._full_cached_unref -= self._n_full
+            if node.anchor is not None:
+                self.anchors.hold(node.anchor)
+        node.full_refs += 1
+
+    def _unref_full(self, node: Node) -> None:
+        node.full_refs -= 1
+        if node.full_refs == 0:
+            self._full_cached_unref += self._n_full
+            if node.anchor is not None:
+                self.anchors.release(node.anchor, self._tick)
+            self.tree.offer_full_victim(node)
 
     def _release_swa(self, node: Node) -> None:
         node.swa_refs -= 1
@@ -476,13 +484,9 @@ class HybridKVCacheManager:
             if node.anchor_refs:
                 self._swa_retained += self._n_swa
             else:
-                self._give_back(node.swa_blocks)
+                self.pools.give_back(node.swa_blocks)
                 node.swa_blocks = None
                 self.tree.prune(node)
-
-    def _give_back(self, ids: Iterable[int]) -> None:
-        for block_id in ids:
-            self.pools.give_back(block_id)
 
     # ----------------------------------------------------------------- anchors
 
@@ -498,6 +502,8 @@ class HybridKVCacheManager:
             if pinned and not anchor.pinned:
                 self.anchors.pin(anchor)
             self.anchors.touch(anchor, self._tick)
+            if node.full_refs:
+                self.anchors.hold(anchor)
             return
         anchor = Anchor(node, self.tree.window(node, self.anchor_window_blocks), kind, pinned, self._tick)
         node.anchor = anchor
@@ -506,6 +512,8 @@ class HybridKVCacheManager:
         self.anchors.add(anchor)
         if kind in SPECULATIVE_KINDS and self.anchors.usefulness(kind) < _USEFUL_SHARE:
             self.anchors.demote(anchor)
+        elif node.full_refs:
+            self.anchors.hold(anchor)
         self.metrics.anchors_kept[kind.value] += 1
 
     def _drop_anchor(self, anchor: Anchor) -> None:
@@ -515,7 +523,7 @@ class HybridKVCacheManager:
             covered.anchor_refs -= 1
             if covered.anchor_refs == 0 and covered.swa_refs == 0 and covered.swa_blocks is not None:
                 self._swa_retained -= self._n_swa
-                self._give_back(covered.swa_blocks)
+                self.pools.give_back(covered.swa_blocks)
                 self.metrics.evicted_blocks[Pool.SWA] += self._n_swa
                 covered.swa_blocks = None
         for covered in anchor.window:
@@ -532,7 +540,7 @@ class HybridKVCacheManager:
         least recently used anchor, pinned anchors last. False if nothing is left."""
         if self._evict_full_leaf():
             return True
-        anchor = self.anchors.oldest(pinned=False) or self.anchors.oldest(pinned=True)
+        anchor = self.anchors.victim()
         if anchor is None:
             return False
         self._evict_anchor(anchor)
@@ -540,7 +548,7 @@ class HybridKVCacheManager:
 
     def _enforce_anchor_budget(self) -> None:
         while self._swa_retained > self.anchor_budget_blocks:
-            anchor = self.anchors.oldest(pinned=False) or self.anchors.oldest(pinned=True)
+            anchor = self.anchors.victim()
             if anchor is None:
                 return
             self._evict_anchor(anchor)
@@ -551,7 +559,7 @@ class HybridKVCacheManager:
         if node is None:
             return False
         self._full_cached_unref -= self._n_full
-        self._give_back(node.full_blocks)
+        self.pools.give_back(node.full_blocks)
         self.metrics.evicted_blocks[Pool.FULL] += self._n_full
         self.tree.set_full(node, None)
         self.tree.prune(node)
@@ -560,20 +568,25 @@ class HybridKVCacheManager:
     # -------------------------------------------------------------- lifecycle
 
     def free(self, request: Any) -> None:
-        """Release a finished or preempted request's blocks (finished ones leave anchors)."""
+        """Release a finished or preempted request's blocks, leaving an anchor where it ended."""
         state = self._requests.pop(request.request_id, None)
         self._matches.pop(request.request_id, None)
         if state is None:
             return
-        if request.is_finished() and state.num_cached and self.enable_caching:
+        if state.num_cached and self.enable_caching:
             end = state.nodes[state.num_cached - 1]
-            self._add_anchor(end, AnchorKind.OUTPUT_END, pinned=False)
-            prompt_blocks = min((request.num_prompt_tokens - 1) // self.block_size, state.num_cached)
-            prompt_end = state.nodes[prompt_blocks - 1] if prompt_blocks else end
-            if prompt_end is not end and prompt_end.anchor is not None and prompt_end.anchor.kinds == {AnchorKind.PROMPT_END}:
-                # The next turn continues from the output's end; the prompt's end now only
-                # serves a retry of the same prompt, so it goes first when memory is short.
-                self.anchors.demote(prompt_end.anchor)
+            if request.is_finished():
+                self._add_anchor(end, AnchorKind.OUTPUT_END, pinned=False)
+                prompt_blocks = min((request.num_prompt_tokens - 1) // self.block_size, state.num_cached)
+                prompt_end = state.nodes[prompt_blocks - 1] if prompt_blocks else end
+                if prompt_end is not end and prompt_end.anchor is not None and prompt_end.anchor.kinds == {AnchorKind.PROMPT_END}:
+                    # The next turn continues from the output's end; the prompt's end now only
+                    # serves a retry of the same prompt, so it goes first when memory is short.
+                    self.anchors.demote(prompt_end.anchor)
+            else:
+                # Preempted: it comes back first in line and resumes from its cached KV (the
+                # window before `end` is still held), as upstream's freed blocks stay cached.
+                self._add_anchor(end, AnchorKind.RESUME, pinned=False)
         nodes = state.nodes
         for pos in range(state.swa_start, len(state.swa)):
             ids = state.swa[pos]
@@ -583,15 +596,12 @@ class HybridKVCacheManager:
             if node is not None and node.swa_blocks is ids:
                 self._release_swa(node)
             else:
-                self._give_back(ids)
+                self.pools.give_back(ids)
         for pos, ids in enumerate(state.full):
             if pos >= len(nodes) or nodes[pos].full_blocks is not ids:
-                self._give_back(ids)
+                self.pools.give_back(ids)
         for node in reversed(nodes):
-            node.full_refs -= 1
-            if node.full_refs == 0:
-                self._full_cached_unref += self._n_full
-                self.tree.offer_full_victim(node)
+            self._unref_full(node)
         self._enforce_anchor_budget()
 
     def remove_skipped_blocks(

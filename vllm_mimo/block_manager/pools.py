@@ -17,6 +17,7 @@ needs the space; a pool never takes another's cached block by borrowing.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from enum import IntEnum
 
 
@@ -60,28 +61,36 @@ class BlockPools:
     def num_free(self, pool: Pool) -> int:
         return len(self._free[pool])
 
-    def take(self, pool: Pool, borrow: bool) -> int:
-        """A free block for `pool`: its own if any, else (if `borrow`) the other pool's."""
-        own = self._free[pool]
-        if own:
-            block_id = own.pop()
-        elif borrow and self._free[1 - pool]:
-            block_id = self._free[1 - pool].popleft()
-            self.borrowed[pool] += 1
-        else:
-            raise RuntimeError(f"no free block in the {pool.name} pool")
-        self._owner[block_id] = pool
-        used = self.used[pool] = self.used[pool] + 1
+    def take_many(self, pool: Pool, count: int) -> list[int]:
+        """`count` free blocks for `pool`: its own first, then the other pool's (borrowed)."""
+        own, other = self._free[pool], self._free[1 - pool]
+        if count > len(own) + len(other):
+            raise RuntimeError(f"{count} blocks asked of the {pool.name} pool, {len(own) + len(other)} free")
+        mine = min(count, len(own))
+        ids = [own.pop() for _ in range(mine)]
+        if mine < count:
+            owner = self._owner
+            for _ in range(count - mine):
+                block_id = other.popleft()
+                owner[block_id] = pool
+                ids.append(block_id)
+            self.borrowed[pool] += count - mine
+        used = self.used[pool] = self.used[pool] + count
         if used > self.peak_used[pool]:
             self.peak_used[pool] = used
-        return block_id
+        return ids
 
-    def give_back(self, block_id: int) -> None:
-        """Return a block to its home pool's free list."""
-        self.used[self._owner[block_id]] -= 1
-        home = self.home(block_id)
-        self._owner[block_id] = home
-        self._free[home].append(block_id)
+    def give_back(self, block_ids: Iterable[int]) -> None:
+        """Return blocks to their home pools' free lists."""
+        owner, used, free, boundary = self._owner, self.used, self._free, self.boundary
+        for block_id in block_ids:
+            used[owner[block_id]] -= 1
+            home = Pool.SWA if block_id < boundary else Pool.FULL
+            owner[block_id] = home
+            free[home].append(block_id)
+
+    def num_free_total(self) -> int:
+        return len(self._free[0]) + len(self._free[1])
 
     def usage(self) -> float:
         """Fraction of all (non-null) blocks in use."""
