@@ -146,6 +146,17 @@ class AnchorSet:
             anchor.pinned = True
             self._pinned[id(anchor)] = anchor
 
+    def check_integrity(self) -> None:
+        for anchor in self._held.values():
+            assert not anchor.pinned and anchor.kinds & SHARED_KINDS, anchor
+            assert anchor.node.full_refs > 0, f"{anchor} is held but no running request holds its node"
+            assert anchor.last_used != float("-inf"), f"{anchor} is held but demoted"
+        for anchor in self._unpinned.values():
+            assert not anchor.pinned, anchor
+            held = anchor.kinds & SHARED_KINDS and anchor.node.full_refs > 0
+            assert not held or anchor.last_used == float("-inf"), f"{anchor} is in use but not held"
+        assert all(anchor.pinned for anchor in self._pinned.values())
+
     def victim(self) -> Anchor | None:
         """The anchor to evict next: unpinned, then held hot prefixes, then pinned."""
         for queue in (self._unpinned, self._held, self._pinned):

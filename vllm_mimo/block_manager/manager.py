@@ -748,6 +748,7 @@ class HybridKVCacheManager:
             assert live <= bound, f"request {rid} holds {live} SWA positions, bound {bound}"
             for i, node in enumerate(state.nodes):
                 assert node.depth == i, (rid, i, node)
+        self.anchors.check_integrity()
         anchor_refs: dict[int, int] = {}
         for anchor in self.anchors:
             assert anchor.node.anchor is anchor
