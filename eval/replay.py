@@ -142,8 +142,9 @@ class _Timed:
         return out
 
 
-def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams):
-    """(manager, number of blocks, hash block size) for one engine at one budget."""
+def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams, mimo_cls: type | None = None):
+    """(manager, number of blocks, hash block size) for one engine at one budget; `mimo_cls`:
+    a `HybridKVCacheManager` subclass for the plugin's engine (`eval.replay_diagnose`)."""
     from vllm_mimo.block_manager.manager import HybridKVCacheManager
     from vllm_mimo.compat import KVCacheManager, resolve_kv_cache_block_sizes
 
@@ -162,7 +163,7 @@ def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams
         hash_block_size=hash_block_size,
     )
     if engine == "mimo":
-        manager = HybridKVCacheManager(config, max_num_running=params.max_running, **common)
+        manager = (mimo_cls or HybridKVCacheManager)(config, max_num_running=params.max_running, **common)
     else:
         manager = KVCacheManager(
             config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
@@ -191,12 +192,12 @@ def _full_group_hit(manager, request) -> int:
 
 
 def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayRequest], ideal: list[int],
-             params: SimParams, progress: bool = True) -> RunResult:
+             params: SimParams, progress: bool = True, mimo_cls: type | None = None) -> RunResult:
     from vllm_mimo.compat import Request, RequestStatus, get_request_block_hasher, init_none_hash
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
 
-    manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params)
+    manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_cls)
     # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens).
     chunk_cap = MimoConfig().prefill_chunk_tokens if engine == "mimo" else 0
     call = _Timed(manager)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import replay
+from eval import replay, replay_diagnose
 from eval.workloads import ReplayRequest, Segment, TraceError, previous_turns, read_mooncake
 
 DATA = Path(__file__).with_name("data")
@@ -106,3 +106,24 @@ def test_budget_too_small_for_one_request_says_so(tmp_path, capsys):
     assert replay.main(["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro",
                         "--kv-gib", "0.02", "--quiet"]) == 2
     assert "cannot hold" in capsys.readouterr().err
+
+
+def test_diagnosis_accounts_for_the_blocks_and_the_pseudo_hits(tmp_path, capsys):
+    out = tmp_path / "diagnosis.json"
+    args = ["--workload", "agent-sessions", "--layout", "mimo-v2.5-pro", "--kv-gib", "3",
+            "--max-requests", "40", "--json", str(out)]
+    assert replay_diagnose.main(args) == 0
+    diagnosis = json.loads(out.read_text())
+    # Every block is somewhere; sampled means of a partition add up to the pool (null block aside).
+    assert sum(diagnosis["mean_blocks_by_use"].values()) == pytest.approx(diagnosis["blocks"] - 1, abs=3)
+    assert sum(diagnosis["pseudo_hit_tokens_by_cause"].values()) == diagnosis["pseudo_hit_tokens"]
+    assert "anchor evictions by trigger" in capsys.readouterr().out
+
+
+def test_diagnosis_rejects_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        replay_diagnose.main(["--workload", "mixed", "--layout", "nope", "--kv-gib", "4"])
+    assert "known layouts: mimo-v2.5-pro" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        replay_diagnose.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "0"])
+    assert "--kv-gib must be > 0, got 0.0" in capsys.readouterr().err
