@@ -406,53 +406,64 @@ def plot(runs: list[RunResult], out: Path, title: str) -> None:
     fig.savefig(out, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that say what to replay (shared with `eval.replay_diagnose`)."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload from eval/workloads.py")
     parser.add_argument("--layout", required=True, help=f"model layout: {', '.join(LAYOUTS)}")
-    parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated engines (default: all): {','.join(ENGINES)}")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests, N >= 1")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
-    parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")
     parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")
+
+
+def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[ReplayRequest] | None:
+    """Check the arguments of `add_source_arguments` and read the requests; None (after
+    printing why) if the trace is unreadable or malformed."""
+    from eval.workloads import TraceError
+
+    if args.layout not in LAYOUTS:
+        parser.error(f"unknown layout {args.layout!r}; known layouts: {', '.join(LAYOUTS)}")
+    if args.max_requests is not None and args.max_requests < 1:
+        parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
+    if not args.scale > 0:
+        parser.error(f"--scale must be > 0, got {args.scale}")
+    try:
+        requests = read_mooncake(args.trace) if args.trace else make_workload(args.workload, args.seed, args.scale)
+    except (TraceError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return requests[: args.max_requests]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
+    add_source_arguments(parser)
+    parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated engines (default: all): {','.join(ENGINES)}")
+    parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
 
-    if args.layout not in LAYOUTS:
-        parser.error(f"unknown layout {args.layout!r}; known layouts: {', '.join(LAYOUTS)}")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown or not engines:
         parser.error(f"unknown engine(s) {unknown}; known engines: {', '.join(ENGINES)}")
     if any(not g > 0 for g in args.kv_gib):
         parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
-    if args.max_requests is not None and args.max_requests < 1:
-        parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
     if args.max_running < 1:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
-    if not args.scale > 0:
-        parser.error(f"--scale must be > 0, got {args.scale}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'vllm-mimo[eval]'")
-
-    from eval.workloads import TraceError
-
-    try:
-        requests = read_mooncake(args.trace) if args.trace else make_workload(args.workload, args.seed, args.scale)
-    except (TraceError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    requests = load_source(parser, args)
+    if requests is None:
         return 2
-    if args.max_requests:
-        requests = requests[: args.max_requests]
     params = SimParams(max_running=args.max_running, closed_loop=not args.open_loop)
     too_long = [i for i, r in enumerate(requests) if r.prompt_len + r.output.length > params.max_model_len]
     if too_long:

@@ -1,7 +1,7 @@
 """Where the plugin's KV blocks go in a replay, and why hits are lost (one engine, one budget).
 
     python -m eval.replay_diagnose (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G
-        [--seed S] [--max-requests N] [--open-loop] [--json OUT]
+        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--json OUT]
 
 Replays like `eval.replay` with the plugin's manager only, observed from a subclass:
   * mean blocks by use over the run (sampled every 50 manager calls): running requests' Full
@@ -23,9 +23,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from eval.layouts import LAYOUTS
-from eval.replay import SimParams, ideal_hits, simulate
-from eval.workloads import WORKLOADS, TraceError, make_workload, read_mooncake
+from eval.replay import SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from vllm_mimo.block_manager.manager import HybridKVCacheManager
 
 SAMPLE_EVERY = 50
@@ -115,28 +113,15 @@ class ObservedManager(HybridKVCacheManager):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_diagnose", description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", type=Path, help="Mooncake-format trace (JSONL)")
-    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload from eval/workloads.py")
-    parser.add_argument("--layout", required=True, help=f"model layout: {', '.join(LAYOUTS)}")
+    add_source_arguments(parser)
     parser.add_argument("--kv-gib", type=float, required=True, help="KV cache budget in GiB, > 0")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    parser.add_argument("--max-requests", type=int, help="replay only the first N requests, N >= 1")
-    parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp (see eval.replay)")
     parser.add_argument("--json", type=Path, help="write the diagnosis as JSON here")
     args = parser.parse_args(argv)
-    if args.layout not in LAYOUTS:
-        parser.error(f"unknown layout {args.layout!r}; known layouts: {', '.join(LAYOUTS)}")
     if not args.kv_gib > 0:
         parser.error(f"--kv-gib must be > 0, got {args.kv_gib}")
-    if args.max_requests is not None and args.max_requests < 1:
-        parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
-    try:
-        requests = read_mooncake(args.trace) if args.trace else make_workload(args.workload, args.seed)
-    except (TraceError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    requests = load_source(parser, args)
+    if requests is None:
         return 2
-    requests = requests[: args.max_requests]
 
     managers: list[ObservedManager] = []
 
