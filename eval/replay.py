@@ -198,8 +198,9 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     from vllm.utils.hashing import sha256
 
     manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_cls)
-    # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens).
-    chunk_cap = MimoConfig().prefill_chunk_tokens if engine == "mimo" else 0
+    # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens,
+    # vLLM's long_prefill_token_threshold), which vLLM ignores when one request is alone.
+    plugin_chunk_cap = MimoConfig().prefill_chunk_tokens if engine == "mimo" else 0
     call = _Timed(manager)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(hash_block_size, sha256)
@@ -250,6 +251,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             now = pending[0][0]
             continue
         budget = params.token_budget
+        chunk_cap = plugin_chunk_cap if len(running) + len(waiting) > 1 else 0
         scheduled: dict[str, int] = {}
         preempted = False
         idx = 0
