@@ -322,6 +322,22 @@ def test_preempted_request_leaves_a_resume_anchor_and_resumes_from_it():
     assert m.metrics.preempted_hit_tokens == hit and m.metrics.hit_tokens == 0
 
 
+def test_a_request_preempted_within_its_step_resumes_where_its_computed_tokens_end():
+    """Blocks are cached when a step is scheduled; a victim preempted in the same step never
+    computes them, so its resume anchor stops before them."""
+    m = _manager()
+    req = make_request("v", list(range(4000, 4000 + 12 * BLOCK)))
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, 6 * BLOCK, hit, blocks) is not None
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = 6 * BLOCK  # the first chunk ran
+    assert m.allocate_slots(req, 6 * BLOCK) is not None  # the second is scheduled, then preempted
+    m.free(req)
+    m.check_integrity()
+    (resume,) = m.anchors_of_kind(AnchorKind.RESUME)
+    assert resume.node.depth + 1 == 6
+
+
 def test_allocation_fails_cleanly_when_the_pools_cannot_hold_it():
     m = _manager(num_blocks=60)
     req = make_request("big", list(range(3000, 3000 + 80 * BLOCK)))

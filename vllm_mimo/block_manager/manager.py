@@ -584,9 +584,13 @@ class HybridKVCacheManager:
                     # serves a retry of the same prompt, so it goes first when memory is short.
                     self.anchors.demote(prompt_end.anchor)
             else:
-                # Preempted: it comes back first in line and resumes from its cached KV (the
-                # window before `end` is still held), as upstream's freed blocks stay cached.
-                self._add_anchor(end, AnchorKind.RESUME, pinned=False)
+                # Preempted: it comes back first in line and resumes from its cached KV, as
+                # upstream's freed blocks stay cached. The anchor ends where the computed
+                # tokens do (the window before that is still held): blocks cached for this
+                # step's tokens are not computed if the request is preempted within the step.
+                computed = min(state.num_cached, request.num_computed_tokens // self.block_size)
+                if computed:
+                    self._add_anchor(state.nodes[computed - 1], AnchorKind.RESUME, pinned=False)
         nodes = state.nodes
         for pos in range(state.swa_start, len(state.swa)):
             ids = state.swa[pos]
