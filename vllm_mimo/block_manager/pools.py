@@ -85,7 +85,7 @@ class BlockPools:
         owner, used, free, boundary = self._owner, self.used, self._free, self.boundary
         for block_id in block_ids:
             used[owner[block_id]] -= 1
-            home = Pool.SWA if block_id < boundary else Pool.FULL
+            home = Pool.SWA if block_id < boundary else Pool.FULL  # self.home(), inlined: hot loop
             owner[block_id] = home
             free[home].append(block_id)
 
