@@ -223,6 +223,9 @@ def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node(
     assert list(anchors) == [old, grid, hot]
     anchors.remove(old)
     assert anchors.victim() is grid
+    anchors.remove(grid)
+    assert anchors.victim() is None  # a held hot prefix is in use: never a victim
+    anchors.add(grid)
     anchors.release(hot, now=9)  # the last holder let go: just used
     assert list(anchors) == [grid, hot] and hot.last_used == 9
     anchors.hold(hot)
@@ -249,6 +252,33 @@ def test_a_hot_prefix_held_by_a_running_request_outlives_older_anchors():
     m.check_integrity()
     assert list(m.anchors)[-1] is hot  # released to the recent end of the order
     assert _run(m, make_request("late", SYSTEM + [8] * 40), output=[5]) == len(SYSTEM)
+
+
+def test_an_allocation_fails_rather_than_evict_a_held_hot_prefix():
+    m = _manager(num_blocks=120, hot_prefix_min_hits=2)
+    for i in range(3):
+        _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5])
+    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    holder = make_request("holder", SYSTEM + [9] * (8 * BLOCK))  # its window moves past the prefix
+    blocks, hit, _ = m.get_computed_blocks(holder)
+    assert m.allocate_slots(holder, holder.num_tokens - hit, hit, blocks)
+    holder.status = RequestStatus.RUNNING
+    holder.num_computed_tokens = holder.num_tokens
+    m.remove_skipped_blocks("holder", holder.num_computed_tokens)
+    held = m._held_anchor_swa_blocks([], 0)
+    assert held > 0  # the prefix's window is kept by the held anchor alone
+    # One block position (1 Full + 2 SWA ids) more than every evictable block but the held
+    # window: refused, and the hot prefix survives; with the held window it would have fit.
+    evictable = m.pools.num_free_total() + m._full_cached_unref + m._swa_retained - held
+    big = make_request("big", list(range(50_000, 50_000 + (evictable // 3 + 1) * BLOCK)))
+    assert (evictable // 3 + 1) * 3 <= evictable + held
+    assert m.allocate_slots(big, big.num_tokens) is None
+    assert hot in m.anchors_of_kind(AnchorKind.HOT)
+    m.check_integrity()
+    holder.status = RequestStatus.FINISHED_STOPPED
+    m.free(holder)  # released: evictable again, least recently used last
+    assert m.allocate_slots(big, big.num_tokens) is not None
+    m.check_integrity()
 
 
 def test_prompt_end_anchor_serves_a_retry_of_the_same_prompt():

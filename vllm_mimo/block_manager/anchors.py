@@ -6,12 +6,14 @@ are evicted least recently used first, pinned anchors last, whenever the SWA KV 
 exceeds the anchor budget or the SWA pool needs the blocks.
 
 A hot prefix whose node running requests hold is in use, as a block held by a running request
-is in use for vLLM's LRU: it goes after every other unpinned anchor, and back to the recent end
+is in use for vLLM's LRU: it is not evicted at all while held, and goes back to the recent end
 of the order when the last holder lets go. Its Full KV stays resident for the holders anyway,
 so evicting it would free only its SWA window, and the next request to reach it (another
-session on the same system prompt) would recompute the whole shared prefix. Other kinds are not
-held: a session holds every grid and branch point of its own past turns, and keeping all of
-those for as long as it runs costs more hits than it saves (measured in eval/RESULTS.md).
+session on the same system prompt) would recompute the whole shared prefix. When nothing else
+can be evicted an allocation fails instead, and the scheduler waits or preempts, as it does
+when upstream's pool is full of blocks running requests hold. Other kinds are not held: a
+session holds every grid and branch point of its own past turns, and keeping all of those for
+as long as it runs costs more hits than it saves (measured in eval/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ class Anchor:
 
 
 class AnchorSet:
-    """Live anchors in eviction order: least recently used first, then hot prefixes held by
-    running requests, pinned anchors after all others."""
+    """Live anchors in eviction order: least recently used first, pinned anchors after all
+    others; hot prefixes held by running requests are kept apart and never evicted."""
 
     def __init__(self) -> None:
         self._unpinned: OrderedDict[int, Anchor] = OrderedDict()
@@ -92,9 +94,10 @@ class AnchorSet:
         return len(self._unpinned) + len(self._held) + len(self._pinned)
 
     def __iter__(self) -> Iterator[Anchor]:
+        """Every live anchor: the evictable ones in eviction order, then the held ones."""
         yield from self._unpinned.values()
-        yield from self._held.values()
         yield from self._pinned.values()
+        yield from self._held.values()
 
     def _queue(self, anchor: Anchor) -> OrderedDict[int, Anchor]:
         if anchor.pinned:
@@ -125,13 +128,14 @@ class AnchorSet:
             self._unpinned[id(anchor)] = self._held.pop(id(anchor))
         self._queue(anchor).move_to_end(id(anchor), last=False)
 
+    def holdable(self, anchor: Anchor) -> bool:
+        """Whether `hold` would take the anchor out of the eviction order: an unpinned hot
+        prefix not demoted (held ones included)."""
+        return bool(anchor.kinds & SHARED_KINDS) and not anchor.pinned and anchor.last_used != float("-inf")
+
     def hold(self, anchor: Anchor) -> None:
         """A running request now holds the anchor's node: a hot prefix is in use."""
-        if (
-            anchor.kinds & SHARED_KINDS
-            and id(anchor) in self._unpinned
-            and anchor.last_used != float("-inf")
-        ):
+        if id(anchor) in self._unpinned and self.holdable(anchor):
             self._held[id(anchor)] = self._unpinned.pop(id(anchor))
 
     def release(self, anchor: Anchor, now: float) -> None:
@@ -158,11 +162,15 @@ class AnchorSet:
         assert all(anchor.pinned for anchor in self._pinned.values())
 
     def victim(self) -> Anchor | None:
-        """The anchor to evict next: unpinned, then held hot prefixes, then pinned."""
-        for queue in (self._unpinned, self._held, self._pinned):
+        """The anchor to evict next: unpinned, then pinned; None if only held ones are left."""
+        for queue in (self._unpinned, self._pinned):
             if queue:
                 return next(iter(queue.values()))
         return None
+
+    def held(self) -> Iterator[Anchor]:
+        """Hot prefixes that running requests hold (not evictable)."""
+        return iter(self._held.values())
 
 
 class AnchorHintError(ValueError):

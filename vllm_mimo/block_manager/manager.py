@@ -260,9 +260,9 @@ class HybridKVCacheManager:
             headroom += self.watermark_blocks
         if full_sequence_must_fit:
             total = cdiv(min(request.num_tokens, self.max_model_len), bs) - have_full
-            if not self._fits(max(need_full, total * self._n_full) + need_swa + headroom, evictable):
+            if not self._fits(max(need_full, total * self._n_full) + need_swa + headroom, evictable, hit_path, hit):
                 return None
-        if not self._fits(need_full + need_swa + headroom, evictable):
+        if not self._fits(need_full + need_swa + headroom, evictable, hit_path, hit):
             return None
 
         if state is None:
@@ -390,9 +390,31 @@ class HybridKVCacheManager:
             else:
                 state.anchor_ends[end] = (kind, pin)
 
-    def _fits(self, need: int, evictable: int) -> bool:
-        """Whether `_take` can find `need` block ids: free ones first, then by evicting."""
-        return need <= self.pools.num_free_total() + evictable
+    def _fits(self, need: int, evictable: int, hit_path: list[Node], hit: int) -> bool:
+        """Whether `_take` can find `need` block ids: free ones first, then by evicting.
+
+        `evictable` counts every cached block nobody references, less what a request being
+        admitted with `hit_path` (a hit of `hit` blocks) adopts. The SWA windows of held hot
+        prefixes are not evictable, and admitting the request may hold more of them.
+        """
+        free = self.pools.num_free_total()
+        if need <= free:
+            return True  # the common case (decode steps): no eviction, nothing to count
+        return need <= free + evictable - self._held_anchor_swa_blocks(hit_path, hit)
+
+    def _held_anchor_swa_blocks(self, hit_path: list[Node], hit: int) -> int:
+        """SWA blocks that only held hot-prefix anchors retain once a request with this hit
+        path is admitted, outside the window before its hit (which it adopts)."""
+        held = list(self.anchors.held())
+        held += [n.anchor for n in hit_path if n.anchor is not None and self.anchors.holdable(n.anchor)]
+        adopted = {id(node) for node in hit_path[max(0, hit - self.window_blocks) : hit]}
+        covered = {
+            id(node)
+            for anchor in held
+            for node in anchor.window
+            if node.swa_refs == 0 and node.swa_blocks is not None and id(node) not in adopted
+        }
+        return len(covered) * self._n_swa
 
     def _take(self, need_full: int, need_swa: int) -> tuple[list[int], list[int]]:
         """Block ids for both pools: evict (LRU) until enough are free, then own free first,
@@ -537,7 +559,8 @@ class HybridKVCacheManager:
 
     def _evict_lru(self) -> bool:
         """Free cached blocks: unanchored Full leaves first (no hit can end there), then the
-        least recently used anchor, pinned anchors last. False if nothing is left."""
+        least recently used anchor, pinned anchors last, held hot prefixes never. False if
+        nothing is left."""
         if self._evict_full_leaf():
             return True
         anchor = self.anchors.victim()
