@@ -281,6 +281,33 @@ def test_an_allocation_fails_rather_than_evict_a_held_hot_prefix():
     m.check_integrity()
 
 
+def test_admission_counts_the_hot_prefix_it_will_hold_as_unevictable():
+    """A next turn hits past a hot prefix nobody holds; admitting it holds the prefix, so
+    every allocation size either fits or is refused, never planned on blocks it can't evict."""
+    first = SYSTEM + [1] * 40
+
+    def build() -> tuple[HybridKVCacheManager, Anchor]:
+        m = _manager(num_blocks=60, hot_prefix_min_hits=2)
+        for i in range(3):
+            _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5] * BLOCK)
+        (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+        assert not m.anchors.is_held(hot)
+        return m, hot
+
+    refused = 0
+    for extra in range(1, 60):
+        m, hot = build()
+        turn = make_request("next", first + [5] * BLOCK + list(range(60_000, 60_000 + extra * BLOCK)))
+        blocks, hit, _ = m.get_computed_blocks(turn)
+        assert hit > len(SYSTEM)  # past the hot prefix, at u0's output end
+        if m.allocate_slots(turn, turn.num_tokens - hit, hit, blocks) is None:
+            refused += 1
+        else:
+            assert m.anchors.is_held(hot)
+        m.check_integrity()
+    assert refused
+
+
 def test_prompt_end_anchor_serves_a_retry_of_the_same_prompt():
     m = _manager()
     prompt = SYSTEM + [1] * 40

@@ -76,6 +76,7 @@ class AnchorSet:
         self._unpinned: OrderedDict[int, Anchor] = OrderedDict()
         self._held: OrderedDict[int, Anchor] = OrderedDict()
         self._pinned: OrderedDict[int, Anchor] = OrderedDict()
+        self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
 
@@ -107,14 +108,19 @@ class AnchorSet:
     def add(self, anchor: Anchor) -> None:
         (self._pinned if anchor.pinned else self._unpinned)[id(anchor)] = anchor
         self.created.update(anchor.kinds)
+        if anchor.kinds & SHARED_KINDS:
+            self._shared[id(anchor)] = anchor
 
     def add_kind(self, anchor: Anchor, kind: AnchorKind) -> None:
         """A live anchor is now also of `kind`."""
         anchor.kinds.add(kind)
         self.created[kind] += 1
+        if kind in SHARED_KINDS:
+            self._shared[id(anchor)] = anchor
 
     def remove(self, anchor: Anchor) -> None:
         self._queue(anchor).pop(id(anchor))
+        self._shared.pop(id(anchor), None)
 
     def touch(self, anchor: Anchor, now: float) -> None:
         """Mark as just used: last in its eviction order."""
@@ -160,6 +166,8 @@ class AnchorSet:
             held = anchor.kinds & SHARED_KINDS and anchor.node.full_refs > 0
             assert not held or anchor.last_used == float("-inf"), f"{anchor} is in use but not held"
         assert all(anchor.pinned for anchor in self._pinned.values())
+        shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}
+        assert shared == set(self._shared), "the shared-kind index disagrees with the live anchors"
 
     def victim(self) -> Anchor | None:
         """The anchor to evict next: unpinned, then pinned; None if only held ones are left."""
@@ -168,9 +176,12 @@ class AnchorSet:
                 return next(iter(queue.values()))
         return None
 
-    def held(self) -> Iterator[Anchor]:
-        """Hot prefixes that running requests hold (not evictable)."""
-        return iter(self._held.values())
+    def is_held(self, anchor: Anchor) -> bool:
+        return id(anchor) in self._held
+
+    def shared(self) -> Iterator[Anchor]:
+        """Live hot-prefix anchors, held or not: the only ones that can be held."""
+        return iter(self._shared.values())
 
 
 class AnchorHintError(ValueError):

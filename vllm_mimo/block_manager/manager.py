@@ -405,8 +405,20 @@ class HybridKVCacheManager:
     def _held_anchor_swa_blocks(self, hit_path: list[Node], hit: int) -> int:
         """SWA blocks that only held hot-prefix anchors retain once a request with this hit
         path is admitted, outside the window before its hit (which it adopts)."""
-        held = list(self.anchors.held())
-        held += [n.anchor for n in hit_path if n.anchor is not None and self.anchors.holdable(n.anchor)]
+        anchors = self.anchors
+        held = [
+            anchor
+            for anchor in anchors.shared()
+            if anchors.is_held(anchor)
+            or (  # admitting the request takes the first reference on its node: held then
+                anchor.node.full_refs == 0
+                and anchor.node.depth < len(hit_path)
+                and hit_path[anchor.node.depth] is anchor.node
+                and anchors.holdable(anchor)
+            )
+        ]
+        if not held:
+            return 0
         adopted = {id(node) for node in hit_path[max(0, hit - self.window_blocks) : hit]}
         covered = {
             id(node)
