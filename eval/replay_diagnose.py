@@ -93,10 +93,10 @@ class ObservedManager(HybridKVCacheManager):
             stack.extend(node.children.values())
         return False
 
-    def _take(self, need_full: int, need_swa: int):
+    def _take(self, need_full: int, need_swa: int, evict_held: bool):
         self._swa_asked = need_swa
         try:
-            return super()._take(need_full, need_swa)
+            return super()._take(need_full, need_swa, evict_held)
         finally:
             self._swa_asked = None
 

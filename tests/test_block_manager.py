@@ -281,9 +281,31 @@ def test_an_allocation_fails_rather_than_evict_a_held_hot_prefix():
     m.check_integrity()
 
 
+def test_a_request_running_alone_may_evict_the_hot_prefix_it_holds():
+    """Nobody else runs to share the prefix: refusing would leave the request waiting forever."""
+    m = _manager(num_blocks=120, hot_prefix_min_hits=2)
+    for i in range(3):
+        _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5])
+    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    alone = make_request("alone", SYSTEM + [9] * (8 * BLOCK) + list(range(70_000, 70_000 + 60 * BLOCK)))
+    blocks, hit, _ = m.get_computed_blocks(alone)
+    assert m.allocate_slots(alone, 8 * BLOCK, hit, blocks)
+    alone.status = RequestStatus.RUNNING
+    alone.num_computed_tokens = hit + 8 * BLOCK
+    m.remove_skipped_blocks("alone", alone.num_computed_tokens)
+    assert m.anchors.is_held(hot)
+    held = m._held_anchor_swa_blocks([], 0)
+    evictable = m.pools.num_free_total() + m._full_cached_unref + m._swa_retained - held
+    chunk = (evictable // 3 + 1) * BLOCK  # needs the held window too
+    assert m.allocate_slots(alone, chunk) is not None
+    assert hot not in m.anchors_of_kind(AnchorKind.HOT)
+    m.check_integrity()
+
+
 def test_admission_counts_the_hot_prefix_it_will_hold_as_unevictable():
-    """A next turn hits past a hot prefix nobody holds; admitting it holds the prefix, so
-    every allocation size either fits or is refused, never planned on blocks it can't evict."""
+    """A next turn hits past a hot prefix nobody holds; admitting it holds the prefix (another
+    request runs, so it is kept), and every allocation size either fits or is refused, never
+    planned on blocks it can't evict."""
     first = SYSTEM + [1] * 40
 
     def build() -> tuple[HybridKVCacheManager, Anchor]:
@@ -292,6 +314,8 @@ def test_admission_counts_the_hot_prefix_it_will_hold_as_unevictable():
             _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5] * BLOCK)
         (hot,) = m.anchors_of_kind(AnchorKind.HOT)
         assert not m.anchors.is_held(hot)
+        other = make_request("other", [8] * 4)
+        assert m.allocate_slots(other, 4) is not None  # keeps running
         return m, hot
 
     refused = 0

@@ -169,9 +169,10 @@ class AnchorSet:
         shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}
         assert shared == set(self._shared), "the shared-kind index disagrees with the live anchors"
 
-    def victim(self) -> Anchor | None:
-        """The anchor to evict next: unpinned, then pinned; None if only held ones are left."""
-        for queue in (self._unpinned, self._pinned):
+    def victim(self, include_held: bool = False) -> Anchor | None:
+        """The anchor to evict next: unpinned, then pinned, then held ones if `include_held`
+        (for a request with nobody else running); None if none is left."""
+        for queue in (self._unpinned, self._pinned, self._held if include_held else {}):
             if queue:
                 return next(iter(queue.values()))
         return None

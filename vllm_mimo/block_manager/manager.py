@@ -258,17 +258,22 @@ class HybridKVCacheManager:
         headroom = reserved_blocks
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             headroom += self.watermark_blocks
+        # Held hot prefixes are kept for the other running requests that share them; with no
+        # other request running they may go, or a request that needs nearly every block could
+        # never run (vLLM would wait for it forever).
+        evict_held = len(self._requests) == (1 if rid in self._requests else 0)
         if full_sequence_must_fit:
             total = cdiv(min(request.num_tokens, self.max_model_len), bs) - have_full
-            if not self._fits(max(need_full, total * self._n_full) + need_swa + headroom, evictable, hit_path, hit):
+            need = max(need_full, total * self._n_full) + need_swa + headroom
+            if not self._fits(need, evictable, hit_path, hit, evict_held):
                 return None
-        if not self._fits(need_full + need_swa + headroom, evictable, hit_path, hit):
+        if not self._fits(need_full + need_swa + headroom, evictable, hit_path, hit, evict_held):
             return None
 
         if state is None:
             state = _RequestBlocks()
             self._adopt(state, hit_path, hit, have_full - hit)
-        new_full, new_swa = self._take(need_full, need_swa)
+        new_full, new_swa = self._take(need_full, need_swa, evict_held)
         kv = self._kv_blocks
         groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
         for p in range(full_positions):
@@ -390,16 +395,16 @@ class HybridKVCacheManager:
             else:
                 state.anchor_ends[end] = (kind, pin)
 
-    def _fits(self, need: int, evictable: int, hit_path: list[Node], hit: int) -> bool:
+    def _fits(self, need: int, evictable: int, hit_path: list[Node], hit: int, evict_held: bool) -> bool:
         """Whether `_take` can find `need` block ids: free ones first, then by evicting.
 
         `evictable` counts every cached block nobody references, less what a request being
-        admitted with `hit_path` (a hit of `hit` blocks) adopts. The SWA windows of held hot
-        prefixes are not evictable, and admitting the request may hold more of them.
+        admitted with `hit_path` (a hit of `hit` blocks) adopts. Unless `evict_held`, the SWA
+        windows of held hot prefixes are not evictable, and admitting the request may hold more.
         """
         free = self.pools.num_free_total()
-        if need <= free:
-            return True  # the common case (decode steps): no eviction, nothing to count
+        if need <= free or evict_held:
+            return need <= free + evictable  # no eviction, or all of it allowed: nothing to count
         return need <= free + evictable - self._held_anchor_swa_blocks(hit_path, hit)
 
     def _held_anchor_swa_blocks(self, hit_path: list[Node], hit: int) -> int:
@@ -428,12 +433,12 @@ class HybridKVCacheManager:
         }
         return len(covered) * self._n_swa
 
-    def _take(self, need_full: int, need_swa: int) -> tuple[list[int], list[int]]:
+    def _take(self, need_full: int, need_swa: int, evict_held: bool) -> tuple[list[int], list[int]]:
         """Block ids for both pools: evict (LRU) until enough are free, then own free first,
         then borrowed."""
         pools = self.pools
         while pools.num_free_total() < need_full + need_swa:
-            if not self._evict_lru():
+            if not self._evict_lru(evict_held):
                 raise AssertionError("allocation plan and pools disagree")
         return pools.take_many(Pool.FULL, need_full), pools.take_many(Pool.SWA, need_swa)
 
@@ -569,13 +574,13 @@ class HybridKVCacheManager:
             self.metrics.anchors_evicted[kind.value] += 1
         self._drop_anchor(anchor)
 
-    def _evict_lru(self) -> bool:
+    def _evict_lru(self, evict_held: bool) -> bool:
         """Free cached blocks: unanchored Full leaves first (no hit can end there), then the
-        least recently used anchor, pinned anchors last, held hot prefixes never. False if
-        nothing is left."""
+        least recently used anchor, pinned anchors last, held hot prefixes only if
+        `evict_held`. False if nothing is left."""
         if self._evict_full_leaf():
             return True
-        anchor = self.anchors.victim()
+        anchor = self.anchors.victim(include_held=evict_held)
         if anchor is None:
             return False
         self._evict_anchor(anchor)
