@@ -67,6 +67,8 @@ class SimParams:
     decode_s_per_step: float = 0.02
     closed_loop: bool = True
     """A next turn waits for the answer its prompt contains."""
+    step_prefill_floor: int = MimoConfig().step_prefill_floor_tokens
+    """The plugin scheduler's `step_prefill_floor_tokens` (0: its steps are never cut)."""
 
 
 @dataclass
@@ -82,6 +84,8 @@ class RunResult:
     pseudo_hit_tokens: int = 0
     recomputed_prefill_tokens: int = 0
     preemptions: int = 0
+    prefill_steps_cut: int = 0
+    """The plugin's steps cut to the prefill its pools could take (`step_prefill_floor_tokens`)."""
     peak_blocks: dict = field(default_factory=dict)
     mean_us_per_call: float = 0.0
     sim_seconds: float = 0.0
@@ -252,6 +256,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             continue
         budget = params.token_budget
         chunk_cap = plugin_chunk_cap if len(running) + len(waiting) > 1 else 0
+        if is_mimo and params.step_prefill_floor:  # as the plugin's scheduler cuts its steps
+            budget = manager.step_token_limit(running, budget, params.step_prefill_floor)
         scheduled: dict[str, int] = {}
         preempted = False
         idx = 0
@@ -343,6 +349,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         result.pseudo_hit_tokens = m.pseudo_hit_tokens
         assert m.hit_tokens == result.hit_tokens, (m.hit_tokens, result.hit_tokens)
         result.anchors = {"kept": dict(m.anchors_kept), "evicted": dict(m.anchors_evicted)}
+        result.prefill_steps_cut = m.prefill_steps_cut
     result.peak_blocks = peak
     result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
     result.sim_seconds = now
@@ -445,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated engines (default: all): {','.join(ENGINES)}")
     parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")
+    parser.add_argument(
+        "--step-prefill-floor", type=int, default=SimParams.step_prefill_floor, metavar="TOKENS",
+        help="the plugin's step_prefill_floor_tokens: when KV memory is short its scheduler cuts "
+        "a step to the decode tokens plus the prefill its pools take without evicting an anchor "
+        f"in use, but to no fewer than TOKENS prefill tokens (default: {SimParams.step_prefill_floor}, "
+        "the plugin's; 0: never cut; upstream engines are never cut)",
+    )
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -458,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
     if args.max_running < 1:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
+    if args.step_prefill_floor < 0:
+        parser.error(f"--step-prefill-floor must be >= 0 tokens (0: off), got {args.step_prefill_floor}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -466,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     requests = load_source(parser, args)
     if requests is None:
         return 2
-    params = SimParams(max_running=args.max_running, closed_loop=not args.open_loop)
+    params = SimParams(
+        max_running=args.max_running, closed_loop=not args.open_loop, step_prefill_floor=args.step_prefill_floor
+    )
     too_long = [i for i, r in enumerate(requests) if r.prompt_len + r.output.length > params.max_model_len]
     if too_long:
         print(f"error: request {too_long[0]} is longer than max_model_len {params.max_model_len}", file=sys.stderr)

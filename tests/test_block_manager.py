@@ -369,6 +369,27 @@ def test_anchor_budget_evicts_least_recently_used_anchors_first():
     assert sum(m.metrics.anchors_evicted.values()) > 0
 
 
+def test_step_prefill_estimate_counts_free_unheld_full_and_demoted_windows_only():
+    """What a step could prefill without evicting an anchor still in the LRU order."""
+    m = _manager()
+    per_block = m._n_full + m._n_swa  # a prefill block takes one block of every group
+    assert m.step_prefill_tokens() == (m.geometry.num_blocks - 1) * BLOCK // per_block
+    first = make_request("t1", SYSTEM + [7] * 20)
+    _run(m, first, output=[5] * 30)
+    before, demoted = m.step_prefill_tokens(), m.anchors.num_demoted()
+    in_order = next(a for a in m.anchors if a.last_used != float("-inf") and not a.pinned)
+    m.anchors.demote(in_order)
+    assert m.anchors.num_demoted() == demoted + 1
+    window = m._n_swa * m.anchor_window_blocks
+    assert m.step_prefill_tokens() - before == pytest.approx(window * BLOCK / per_block, abs=BLOCK)
+    # A running request that holds the cached Full blocks takes them out of the estimate.
+    before = m.step_prefill_tokens()
+    second = make_request("t2", SYSTEM + [7] * 20)  # a retry: hits the prompt end
+    blocks, hit, _ = m.get_computed_blocks(second)
+    assert hit and m.allocate_slots(second, second.num_tokens - hit, hit, blocks) is not None
+    assert m.step_prefill_tokens() < before - hit // BLOCK * m._n_full * BLOCK // per_block
+
+
 def test_running_request_keeps_only_its_window_of_swa_blocks():
     m = _manager()
     req = make_request("long", list(range(2000, 2000 + 40 * BLOCK)))

@@ -45,6 +45,8 @@ def test_multi_turn_sessions_under_preemption_give_the_same_tokens(sessions):
     assert on.mimo["pools"]["full"]["evicted_blocks"] > 0, "the KV budget did not force eviction"
     # Preempted requests left resume anchors and came back through them, exactly.
     assert on.mimo["anchors_kept"].get("resume", 0) > 0 and on.mimo["preempted_hit_tokens"] > 0
+    # Steps were cut to the prefill the pools could take (step_prefill_floor_tokens), exactly too.
+    assert on.mimo["prefill_steps_cut"] > 0
     assert [[o["ids"] for o in turn] for turn in on.turns] == [[o["ids"] for o in turn] for turn in off.turns]
 
 

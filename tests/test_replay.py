@@ -102,6 +102,22 @@ def test_unknown_layout_and_engine_list_the_known_ones(capsys):
     assert "known engines: upstream-r0" in capsys.readouterr().err
 
 
+def test_the_plugins_steps_are_cut_when_memory_is_short_as_its_scheduler_cuts_them(tmp_path, capsys):
+    args = ["--workload", "agent-sessions", "--layout", "mimo-v2.5-pro", "--kv-gib", "1.5",
+            "--max-requests", "30", "--engines", "swa-free,mimo"]
+    timing = {"mean_us_per_call": 0, "wall_seconds": 0}
+    cut = {k: run | timing for k, run in _run(tmp_path, *args).items()}  # the plugin's default
+    off = {k: run | timing for k, run in _run(tmp_path, *args, "--step-prefill-floor", "0").items()}
+    never = {k: run | timing for k, run in _run(tmp_path, *args, "--step-prefill-floor", "8192").items()}
+    assert cut[("mimo", 1.5)]["prefill_steps_cut"] > 0 and off[("mimo", 1.5)]["prefill_steps_cut"] == 0
+    assert cut[("mimo", 1.5)]["sim_seconds"] != off[("mimo", 1.5)]["sim_seconds"]
+    assert cut[("swa-free", 1.5)] == off[("swa-free", 1.5)]  # upstream's manager is never cut
+    assert never == off  # a floor of the whole step budget never cuts
+    with pytest.raises(SystemExit):
+        replay.main([*args, "--step-prefill-floor", "-1"])
+    assert "--step-prefill-floor must be >= 0" in capsys.readouterr().err
+
+
 def test_budget_too_small_for_one_request_says_so(tmp_path, capsys):
     assert replay.main(["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro",
                         "--kv-gib", "0.02", "--quiet"]) == 2

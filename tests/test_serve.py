@@ -116,7 +116,8 @@ def test_cache_control_block_is_an_anchor_in_messages(servers):
 def test_manager_metrics_on_the_metrics_endpoint(servers):
     text = requests.get(servers["on"].url + "/metrics", timeout=10).text
     for name in ("vllm:mimo_window_safe_hit_tokens_total", "vllm:mimo_pseudo_hit_tokens_total",
-                 "vllm:mimo_recomputed_swa_tokens_total", "vllm:mimo_anchors_kept_total{",
+                 "vllm:mimo_recomputed_swa_tokens_total", "vllm:mimo_prefill_steps_cut_total",
+                 "vllm:mimo_anchors_kept_total{",
                  'kind="declared"', "vllm:mimo_pool_used_blocks{", 'pool="swa"', 'pool="full"',
                  "vllm:mimo_pool_evicted_blocks_total"):
         assert name in text, name

@@ -107,6 +107,18 @@ class MimoConfig:
             max=1_048_576,
         ),
     )
+    step_prefill_floor_tokens: int = field(
+        default=512,
+        metadata=_key(
+            "When KV memory is short, cut a step's token budget to its decode tokens plus the "
+            "prefill tokens the pools take without evicting an SWA anchor still in use (stock "
+            "attention backends need SWA blocks for every prefill token during its step), but "
+            "to no fewer than this many prefill tokens. Fewer preemptions and lost anchors under "
+            "pressure; no effect while memory is ample. 0 turns the cut off.",
+            min=0,
+            max=1_048_576,
+        ),
+    )
     hot_prefix_min_hits: int = field(
         default=2,
         metadata=_key(

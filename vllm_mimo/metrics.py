@@ -51,6 +51,7 @@ def manager_snapshot(manager: Any, model_name: str, engine_index: int) -> dict:
         "pseudo_hit_tokens": metrics.pseudo_hit_tokens,
         "recomputed_swa_tokens": metrics.recomputed_swa_tokens,
         "preempted_hit_tokens": metrics.preempted_hit_tokens,
+        "prefill_steps_cut": metrics.prefill_steps_cut,
         "anchors_kept": dict(metrics.anchors_kept),
         "anchors_evicted": dict(metrics.anchors_evicted),
         "anchors": len(manager.anchors),
@@ -127,6 +128,7 @@ _COUNTERS = {
     "full_cached_tokens": "Prompt tokens the Full-attention index held at admission.",
     "pseudo_hit_tokens": "Full-cached prompt tokens recomputed because their SWA window was missing.",
     "recomputed_swa_tokens": "Tokens whose SWA KV was recomputed while the Full layers had them.",
+    "prefill_steps_cut": "Steps whose token budget was cut to the prefill the KV pools could take.",
 }
 _POOL_GAUGES = {
     "blocks": "KV blocks whose home is this pool.",

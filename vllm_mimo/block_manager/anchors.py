@@ -177,6 +177,15 @@ class AnchorSet:
                 return next(iter(queue.values()))
         return None
 
+    def num_demoted(self) -> int:
+        """Demoted anchors that are not pinned: they lead the eviction order."""
+        count = 0
+        for anchor in self._unpinned.values():
+            if anchor.last_used != float("-inf"):
+                break
+            count += 1
+        return count
+
     def is_held(self, anchor: Anchor) -> bool:
         return id(anchor) in self._held
 

@@ -699,6 +699,34 @@ class HybridKVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
+    def step_prefill_tokens(self) -> int:
+        """An estimate of the prefill tokens one step can add without evicting an anchor that
+        is still in the LRU order: free blocks, Full blocks no running request holds (some lie
+        under live anchors, so it errs high) and the windows of demoted anchors, at one block
+        per KV group per block of tokens (stock attention backends read a prefill chunk's keys
+        from the cache, so its SWA blocks are needed during its step)."""
+        blocks = (
+            self.pools.num_free_total()
+            + self._full_cached_unref
+            + self.anchors.num_demoted() * self._n_swa * self.anchor_window_blocks
+        )
+        return blocks * self.block_size // (self._n_full + self._n_swa)
+
+    def step_token_limit(self, running: Iterable[Any], token_budget: int, floor_tokens: int) -> int:
+        """A step's token budget: the decode tokens of the `running` requests plus
+        `step_prefill_tokens()`, with at least `floor_tokens` for prefill, at most
+        `token_budget`. A cut step is counted in `metrics.prefill_steps_cut`."""
+        decode = sum(
+            1 + len(request.spec_token_ids)
+            for request in running
+            if request.num_computed_tokens >= request.num_prompt_tokens
+        )
+        limit = decode + max(floor_tokens, self.step_prefill_tokens())
+        if limit >= token_budget:
+            return token_budget
+        self.metrics.prefill_steps_cut += 1
+        return limit
+
     @property
     def anchor_blocks(self) -> int:
         """SWA block ids kept only by anchors."""

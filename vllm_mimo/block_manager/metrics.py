@@ -25,6 +25,8 @@ class KVManagerMetrics:
     """Anchors created, by kind."""
     anchors_evicted: Counter = field(default_factory=Counter)
     """Anchors evicted (budget or SWA pool pressure), by kind."""
+    prefill_steps_cut: int = 0
+    """Steps whose token budget was cut to what the pools hold (`step_prefill_floor_tokens`)."""
     evicted_blocks: list[int] = field(default_factory=lambda: [0, 0])
     """Cached blocks evicted, per pool (SWA, Full)."""
 

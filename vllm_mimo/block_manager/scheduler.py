@@ -34,6 +34,7 @@ class _MimoSchedulerMixin:
     mimo_manager: HybridKVCacheManager | None = None
     _mimo_publisher: SnapshotPublisher | None = None
     _mimo_pins_due = False
+    _mimo_can_cut_steps = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -108,6 +109,14 @@ class _MimoSchedulerMixin:
         self._mimo_pins_due = bool(
             self.mimo_config.pin_prompts_file and self.cache_config.enable_prefix_caching  # type: ignore[attr-defined]
         )
+        self._mimo_can_cut_steps = isinstance(getattr(self, "max_num_scheduled_tokens", None), int)
+        if self.mimo_config.step_prefill_floor_tokens and not self._mimo_can_cut_steps:
+            logger.warning(
+                "vllm-mimo: this vLLM's scheduler has no integer max_num_scheduled_tokens, so "
+                "step_prefill_floor_tokens=%d has no effect: steps are not cut when KV memory "
+                "is short",
+                self.mimo_config.step_prefill_floor_tokens,
+            )
 
     def has_requests(self) -> bool:
         # Pinned prompts are added on the first step, once the engine's block hashing is set
@@ -118,7 +127,19 @@ class _MimoSchedulerMixin:
         if self._mimo_pins_due:
             self._mimo_pins_due = False
             self._add_pinned_prompts()
-        return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        floor = self.mimo_config.step_prefill_floor_tokens if self.mimo_manager is not None else 0
+        if not floor or not self._mimo_can_cut_steps:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        # vLLM's scheduler reads one token budget for decodes and prefills, in running order;
+        # lowering it for this step is the one way in without copying its loop.
+        budget = self.max_num_scheduled_tokens  # type: ignore[has-type]
+        self.max_num_scheduled_tokens = self.mimo_manager.step_token_limit(
+            self.running, budget, floor  # type: ignore[attr-defined]
+        )
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.max_num_scheduled_tokens = budget
 
     def _add_pinned_prompts(self) -> None:
         requests = pin_requests(
