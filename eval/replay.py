@@ -8,7 +8,9 @@ No model is loaded. For each KV budget, every engine gets the `KVCacheConfig` vL
 the layout at that budget (`swa-free`: the same number of blocks with the SWA groups removed),
 real `Request` objects with vLLM's block hasher, and the same scheduling loop: FCFS, running
 requests first, chunked prefill under a token budget, recompute preemption of the newest running
-request, a cap on running requests, decode one token per step, blocks freed at the end. Time is
+request, a cap on running requests, decode one token per step, blocks freed at the end; for the
+plugin, a step's token budget is cut as its scheduler cuts it when memory is short
+(`--step-prefill-floor`, the plugin's `step_prefill_floor_tokens`). Time is
 simulated: each step costs a fixed decode time plus a prefill cost per computed token, and
 requests arrive at their timestamps. A session's next turn, whose prompt holds the previous
 turn's answer, is sent at its timestamp or when that answer is complete, whichever is later
@@ -20,7 +22,9 @@ prefix any earlier request computed); hit tokens (prompt tokens no layer recompu
 tokens (cached by the Full layers, recomputed for want of SWA KV); recomputed prefill tokens
 (every prefill token computed, re-prefills after preemption included); time to first token in
 simulated seconds (mean and p90, from sending to the end of the step that completes the prompt);
-peak blocks held by running requests per pool; mean CPU microseconds per manager call.
+peak blocks held by running requests per pool; mean CPU microseconds per manager call
+(`get_computed_blocks`, `allocate_slots`, `free`; the plugin's per-step budget call adds its time
+but is not counted as a call); steps the plugin's cut held back.
 """
 
 from __future__ import annotations
@@ -145,6 +149,13 @@ class _Timed:
         self.calls += 1
         return out
 
+    def uncounted(self, name: str, *args):
+        """A call whose time counts but which is not one of the calls the mean is per."""
+        calls = self.calls
+        out = self(name, *args)
+        self.calls = calls
+        return out
+
 
 def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams, mimo_cls: type | None = None):
     """(manager, number of blocks, hash block size) for one engine at one budget; `mimo_cls`:
@@ -256,8 +267,10 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             continue
         budget = params.token_budget
         chunk_cap = plugin_chunk_cap if len(running) + len(waiting) > 1 else 0
+        full_budget = budget
         if is_mimo and params.step_prefill_floor:  # as the plugin's scheduler cuts its steps
-            budget = manager.step_token_limit(running, budget, params.step_prefill_floor)
+            budget = call.uncounted("step_token_limit", running, budget, params.step_prefill_floor)
+        limit = budget
         scheduled: dict[str, int] = {}
         preempted = False
         idx = 0
@@ -311,6 +324,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 f"{kv_gib} GiB ({num_blocks} blocks) cannot hold request {req.request_id} "
                 f"({req.num_tokens} tokens) even with nothing else running"
             )
+        if is_mimo:
+            manager.record_step(limit, full_budget, sum(scheduled.values()))
         held = _held_blocks(manager, is_mimo)
         for pool, blocks_held in held.items():
             peak[pool] = max(peak.get(pool, 0), blocks_held)

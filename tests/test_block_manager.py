@@ -388,6 +388,11 @@ def test_step_prefill_estimate_counts_free_unheld_full_and_demoted_windows_only(
     blocks, hit, _ = m.get_computed_blocks(second)
     assert hit and m.allocate_slots(second, second.num_tokens - hit, hit, blocks) is not None
     assert m.step_prefill_tokens() < before - hit // BLOCK * m._n_full * BLOCK // per_block
+    # Only a step that was cut and used all of its cut budget counts as held back.
+    m.record_step(limit=600, token_budget=8192, scheduled_tokens=600)
+    m.record_step(limit=600, token_budget=8192, scheduled_tokens=300)
+    m.record_step(limit=8192, token_budget=8192, scheduled_tokens=8192)
+    assert m.metrics.prefill_steps_cut == 1
 
 
 def test_running_request_keeps_only_its_window_of_swa_blocks():

@@ -128,7 +128,7 @@ _COUNTERS = {
     "full_cached_tokens": "Prompt tokens the Full-attention index held at admission.",
     "pseudo_hit_tokens": "Full-cached prompt tokens recomputed because their SWA window was missing.",
     "recomputed_swa_tokens": "Tokens whose SWA KV was recomputed while the Full layers had them.",
-    "prefill_steps_cut": "Steps whose token budget was cut to the prefill the KV pools could take.",
+    "prefill_steps_cut": "Steps whose prefill was held back to what the KV pools could take.",
 }
 _POOL_GAUGES = {
     "blocks": "KV blocks whose home is this pool.",

@@ -26,7 +26,8 @@ class KVManagerMetrics:
     anchors_evicted: Counter = field(default_factory=Counter)
     """Anchors evicted (budget or SWA pool pressure), by kind."""
     prefill_steps_cut: int = 0
-    """Steps whose token budget was cut to what the pools hold (`step_prefill_floor_tokens`)."""
+    """Steps that scheduled all of a token budget cut to what the pools hold (so the cut held
+    prefill back; `step_prefill_floor_tokens`)."""
     evicted_blocks: list[int] = field(default_factory=lambda: [0, 0])
     """Cached blocks evicted, per pool (SWA, Full)."""
 

@@ -70,6 +70,8 @@ class _MimoSchedulerMixin:
         features = ["layout-detection"]
         if self.mimo_manager is not None:
             features += ["hybrid-kv-manager", "separate-pools", "swa-anchors"]
+            if self.mimo_config.step_prefill_floor_tokens and self._mimo_can_cut_steps:
+                features.append("memory-aware-prefill")
         return features
 
     def _install_manager(self) -> None:
@@ -132,14 +134,16 @@ class _MimoSchedulerMixin:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         # vLLM's scheduler reads one token budget for decodes and prefills, in running order;
         # lowering it for this step is the one way in without copying its loop.
+        manager = self.mimo_manager
         budget = self.max_num_scheduled_tokens  # type: ignore[has-type]
-        self.max_num_scheduled_tokens = self.mimo_manager.step_token_limit(
-            self.running, budget, floor  # type: ignore[attr-defined]
-        )
+        limit = manager.step_token_limit(self.running, budget, floor)  # type: ignore[attr-defined]
+        self.max_num_scheduled_tokens = limit
         try:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             self.max_num_scheduled_tokens = budget
+        manager.record_step(limit, budget, output.total_num_scheduled_tokens)
+        return output
 
     def _add_pinned_prompts(self) -> None:
         requests = pin_requests(
