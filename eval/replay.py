@@ -89,7 +89,7 @@ class RunResult:
     recomputed_prefill_tokens: int = 0
     preemptions: int = 0
     prefill_steps_cut: int = 0
-    """The plugin's steps cut to the prefill its pools could take (`step_prefill_floor_tokens`)."""
+    """The plugin's steps the prefill cut held back (`step_prefill_floor_tokens`)."""
     peak_blocks: dict = field(default_factory=dict)
     mean_us_per_call: float = 0.0
     sim_seconds: float = 0.0
