@@ -77,6 +77,7 @@ class AnchorSet:
         self._held: OrderedDict[int, Anchor] = OrderedDict()
         self._pinned: OrderedDict[int, Anchor] = OrderedDict()
         self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
+        self._num_demoted = 0  # demoted anchors in `_unpinned` (its front); read every step
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
 
@@ -118,20 +119,26 @@ class AnchorSet:
         if kind in SHARED_KINDS:
             self._shared[id(anchor)] = anchor
 
+    def _is_demoted_unpinned(self, anchor: Anchor) -> bool:
+        return anchor.last_used == float("-inf") and id(anchor) in self._unpinned
+
     def remove(self, anchor: Anchor) -> None:
+        self._num_demoted -= self._is_demoted_unpinned(anchor)
         self._queue(anchor).pop(id(anchor))
         self._shared.pop(id(anchor), None)
 
     def touch(self, anchor: Anchor, now: float) -> None:
         """Mark as just used: last in its eviction order."""
+        self._num_demoted -= self._is_demoted_unpinned(anchor)
         anchor.last_used = now
         self._queue(anchor).move_to_end(id(anchor))
 
     def demote(self, anchor: Anchor) -> None:
         """Mark as no longer needed: first in its eviction order."""
-        anchor.last_used = float("-inf")
         if id(anchor) in self._held:
             self._unpinned[id(anchor)] = self._held.pop(id(anchor))
+        self._num_demoted += not anchor.pinned and not self._is_demoted_unpinned(anchor)
+        anchor.last_used = float("-inf")
         self._queue(anchor).move_to_end(id(anchor), last=False)
 
     def holdable(self, anchor: Anchor) -> bool:
@@ -152,6 +159,7 @@ class AnchorSet:
 
     def pin(self, anchor: Anchor) -> None:
         if not anchor.pinned:
+            self._num_demoted -= self._is_demoted_unpinned(anchor)
             self._queue(anchor).pop(id(anchor))
             anchor.pinned = True
             self._pinned[id(anchor)] = anchor
@@ -168,6 +176,9 @@ class AnchorSet:
         assert all(anchor.pinned for anchor in self._pinned.values())
         shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}
         assert shared == set(self._shared), "the shared-kind index disagrees with the live anchors"
+        demoted = [anchor.last_used == float("-inf") for anchor in self._unpinned.values()]
+        assert demoted == sorted(demoted, reverse=True), "a demoted anchor is behind one in use"
+        assert sum(demoted) == self._num_demoted, "the demoted count disagrees with the anchors"
 
     def victim(self, include_held: bool = False) -> Anchor | None:
         """The anchor to evict next: unpinned, then pinned, then held ones if `include_held`
@@ -179,12 +190,7 @@ class AnchorSet:
 
     def num_demoted(self) -> int:
         """Demoted anchors that are not pinned: they lead the eviction order."""
-        count = 0
-        for anchor in self._unpinned.values():
-            if anchor.last_used != float("-inf"):
-                break
-            count += 1
-        return count
+        return self._num_demoted
 
     def is_held(self, anchor: Anchor) -> bool:
         return id(anchor) in self._held
