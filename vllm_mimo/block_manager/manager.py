@@ -715,12 +715,15 @@ class HybridKVCacheManager:
     def step_token_limit(self, running: Iterable[Any], token_budget: int, floor_tokens: int) -> int:
         """A step's token budget: the decode tokens of the `running` requests plus
         `step_prefill_tokens()`, with at least `floor_tokens` for prefill, at most `token_budget`."""
+        prefill = max(floor_tokens, self.step_prefill_tokens())
+        if prefill >= token_budget:  # memory is ample: no need to walk the running requests
+            return token_budget
         decode = sum(
             1 + len(request.spec_token_ids)
             for request in running
             if request.num_computed_tokens >= request.num_prompt_tokens
         )
-        return min(token_budget, decode + max(floor_tokens, self.step_prefill_tokens()))
+        return min(token_budget, decode + prefill)
 
     def record_step(self, limit: int, token_budget: int, scheduled_tokens: int) -> None:
         """Count a step that the cut held back: its limit was below the budget and it used it all."""
