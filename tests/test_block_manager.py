@@ -254,6 +254,35 @@ def test_a_hot_prefix_held_by_a_running_request_outlives_older_anchors():
     assert _run(m, make_request("late", SYSTEM + [8] * 40), output=[5]) == len(SYSTEM)
 
 
+def test_a_running_prompts_tail_is_held_and_serves_a_request_branching_there_meanwhile():
+    """The last grid point of a running prompt is where a request sharing that prompt branches
+    off while the first still runs (a next turn sent at its timestamp): it is in use, as a hot
+    prefix is, while the other grid points of the prompt go by the anchor budget."""
+    m = _manager(anchor_budget_fraction=0.05, grid_anchor_tokens=4 * BLOCK)
+    doc = list(range(5000, 5000 + 18 * BLOCK))
+    first = make_request("first", doc + [1] * 5)
+    blocks, hit, _ = m.get_computed_blocks(first)
+    assert hit == 0 and m.allocate_slots(first, first.num_tokens, 0, blocks)
+    first.status = RequestStatus.RUNNING
+    first.num_computed_tokens = first.num_tokens
+    for token in (5, 6, 7):  # decoding: its window has moved past the tail
+        first.append_output_token_ids(token)
+        assert m.allocate_slots(first, 1) is not None
+        first.num_computed_tokens += 1
+    (tail,) = m.anchors_of_kind(AnchorKind.PROMPT_TAIL)
+    assert tail.node.depth + 1 == 16 and m.anchors.is_held(tail)
+    for i in range(12):  # newer anchors of other sessions overflow the anchor budget
+        hints = {"mimo": {"anchors": [3 * BLOCK]}}
+        _run(m, make_request(f"s{i}", [9000 + i] * 60, extra_args=hints), output=[5] * 30)
+    assert m.metrics.anchors_evicted["declared"] and m.metrics.anchors_evicted["grid"]
+    assert tail in m.anchors_of_kind(AnchorKind.PROMPT_TAIL)
+    assert _run(m, make_request("branch", doc[: 16 * BLOCK] + [2] * 40), output=[5]) == 16 * BLOCK
+    first.status = RequestStatus.FINISHED_STOPPED
+    m.free(first)
+    m.check_integrity()
+    assert not m.anchors.is_held(tail)
+
+
 def test_an_allocation_fails_rather_than_evict_a_held_hot_prefix():
     m = _manager(num_blocks=120, hot_prefix_min_hits=2)
     for i in range(3):

@@ -80,8 +80,8 @@ class MimoConfig:
             "Share of all KV blocks that SWA anchors (windows kept after requests move on) "
             "may hold; the auto SWA pool is running windows plus this budget. Within it, "
             "anchors and cached Full blocks are evicted least recently used first (pinned "
-            "anchors and their paths last); over it, the oldest anchors go. A hot prefix that "
-            "running requests hold is in use and stays.",
+            "anchors and their paths last); over it, the oldest anchors go. A hot prefix or a "
+            "prompt tail that running requests hold is in use and stays.",
             min=0.0,
             max=0.9,
         ),

@@ -5,15 +5,19 @@ there needs (`window_blocks` nodes); while it lives, their SWA blocks are not fr
 are evicted least recently used first, pinned anchors last, whenever the SWA KV they retain
 exceeds the anchor budget or the SWA pool needs the blocks.
 
-A hot prefix whose node running requests hold is in use, as a block held by a running request
-is in use for vLLM's LRU: it is not evicted at all while held, and goes back to the recent end
-of the order when the last holder lets go. Its Full KV stays resident for the holders anyway,
-so evicting it would free only its SWA window, and the next request to reach it (another
-session on the same system prompt) would recompute the whole shared prefix. When nothing else
-can be evicted an allocation fails instead, and the scheduler waits or preempts, as it does
-when upstream's pool is full of blocks running requests hold. Other kinds are not held: a
-session holds every grid and branch point of its own past turns, and keeping all of those for
-as long as it runs costs more hits than it saves (measured in eval/RESULTS.md).
+A shared anchor whose node running requests hold is in use, as a block held by a running
+request is in use for vLLM's LRU: it is not evicted at all while held, and goes back to the
+recent end of the order when the last holder lets go. Its Full KV stays resident for the
+holders anyway, so evicting it would free only its SWA window, and the next request to reach it
+would recompute the whole shared prefix. When nothing else can be evicted an allocation fails
+instead, and the scheduler waits or preempts, as it does when upstream's pool is full of blocks
+running requests hold. Two kinds are shared: a hot prefix (another session on the same system
+prompt), and a prompt tail, the last grid point of a running request's prompt, where a request
+that shares the long prompt branches off while the first still runs (a next turn sent at its
+timestamp, a second question on the same document). A prompt tail demoted for being seldom
+useful is not held. Other kinds are not held: a session holds every grid and branch point of
+its own past turns, and keeping all of those for as long as it runs costs more hits than it
+saves (measured in eval/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ class AnchorKind(str, Enum):
     RESUME = "resume"  # where a preempted request's cached KV ends; it resumes there
 
 
-SHARED_KINDS = frozenset({AnchorKind.HOT})
-"""Prefixes that several requests reach: in use while a running request holds the node."""
+SHARED_KINDS = frozenset({AnchorKind.HOT, AnchorKind.PROMPT_TAIL})
+"""Prefixes that other requests reach while one runs: in use while a running request holds the
+node."""
 
 SPECULATIVE_KINDS = frozenset(
     {AnchorKind.GRID, AnchorKind.PROMPT_TAIL, AnchorKind.PROMPT_END, AnchorKind.OUTPUT_END}
@@ -70,7 +75,7 @@ class Anchor:
 
 class AnchorSet:
     """Live anchors in eviction order: least recently used first, pinned anchors after all
-    others; hot prefixes held by running requests are kept apart and never evicted."""
+    others; shared anchors held by running requests are kept apart and never evicted."""
 
     def __init__(self) -> None:
         self._unpinned: OrderedDict[int, Anchor] = OrderedDict()
@@ -142,12 +147,12 @@ class AnchorSet:
         self._queue(anchor).move_to_end(id(anchor), last=False)
 
     def holdable(self, anchor: Anchor) -> bool:
-        """Whether `hold` would take the anchor out of the eviction order: an unpinned hot
-        prefix not demoted (held ones included)."""
+        """Whether `hold` would take the anchor out of the eviction order: an unpinned shared
+        anchor not demoted (held ones included)."""
         return bool(anchor.kinds & SHARED_KINDS) and not anchor.pinned and anchor.last_used != float("-inf")
 
     def hold(self, anchor: Anchor) -> None:
-        """A running request now holds the anchor's node: a hot prefix is in use."""
+        """A running request now holds the anchor's node: a shared anchor is in use."""
         if id(anchor) in self._unpinned and self.holdable(anchor):
             self._held[id(anchor)] = self._unpinned.pop(id(anchor))
 
@@ -196,7 +201,7 @@ class AnchorSet:
         return id(anchor) in self._held
 
     def shared(self) -> Iterator[Anchor]:
-        """Live hot-prefix anchors, held or not: the only ones that can be held."""
+        """Live shared anchors, held or not: the only ones that can be held."""
         return iter(self._shared.values())
 
 

@@ -12,8 +12,9 @@ unreferenced node never has a referenced descendant and Full eviction can always
 
 Where a new block comes from: the pool's own free list, else the other pool's free list (see
 `pools.py`), else eviction: first Full KV past the deepest anchor of its path (no hit can end
-there), then the least recently used anchor with the Full KV only it made reachable (hot
-prefixes that running requests hold after the others, see `anchors.py`), pinned anchors last.
+there), then the least recently used anchor with the Full KV only it made reachable, pinned
+anchors last; hot prefixes and prompt tails that running requests hold are in use and stay
+(see `anchors.py`).
 Anchors also have a budget (`anchor_budget_fraction`); over it, the oldest go.
 """
 
@@ -258,7 +259,7 @@ class HybridKVCacheManager:
         headroom = reserved_blocks
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             headroom += self.watermark_blocks
-        # Held hot prefixes are kept for the other running requests that share them; with no
+        # Held shared anchors are kept for the other requests that reach them; with no
         # other request running they may go, or a request that needs nearly every block could
         # never run (vLLM would wait for it forever).
         evict_held = len(self._requests) == (1 if rid in self._requests else 0)
@@ -400,7 +401,7 @@ class HybridKVCacheManager:
 
         `evictable` counts every cached block nobody references, less what a request being
         admitted with `hit_path` (a hit of `hit` blocks) adopts. Unless `evict_held`, the SWA
-        windows of held hot prefixes are not evictable, and admitting the request may hold more.
+        windows of held shared anchors are not evictable, and admitting the request may hold more.
         """
         free = self.pools.num_free_total()
         if need <= free or evict_held:
@@ -408,7 +409,7 @@ class HybridKVCacheManager:
         return need <= free + evictable - self._held_anchor_swa_blocks(hit_path, hit)
 
     def _held_anchor_swa_blocks(self, hit_path: list[Node], hit: int) -> int:
-        """SWA blocks that only held hot-prefix anchors retain once a request with this hit
+        """SWA blocks that only held shared anchors retain once a request with this hit
         path is admitted, outside the window before its hit (which it adopts)."""
         anchors = self.anchors
         held = [
@@ -576,7 +577,7 @@ class HybridKVCacheManager:
 
     def _evict_lru(self, evict_held: bool) -> bool:
         """Free cached blocks: unanchored Full leaves first (no hit can end there), then the
-        least recently used anchor, pinned anchors last, held hot prefixes only if
+        least recently used anchor, pinned anchors last, held shared anchors only if
         `evict_held`. False if nothing is left."""
         if self._evict_full_leaf():
             return True
