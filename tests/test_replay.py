@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from eval import replay, replay_diagnose
-from eval.workloads import ReplayRequest, Segment, TraceError, previous_turns, read_mooncake
+from eval import replay, replay_bound, replay_diagnose
+from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
+from vllm_mimo.block_manager.anchors import AnchorKind
 
 DATA = Path(__file__).with_name("data")
 
@@ -143,3 +144,46 @@ def test_diagnosis_rejects_bad_input(capsys):
     with pytest.raises(SystemExit):
         replay_diagnose.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "0"])
     assert "--kv-gib must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):
+    """eval.replay_bound: its anchors are at ideal-hit junctions (or resumes), the manager stays
+    consistent, and its plugin and swa-free columns are eval.replay's."""
+    requests = make_workload("shared-system-prompt", seed=0)[:80]
+    ideal = replay.ideal_hits(requests)
+    placed: list[bool] = []
+
+    class Checked(replay_bound.clairvoyant_manager(requests, ideal, evict_farthest=True)):
+        def _add_anchor(self, node, kind, pinned):
+            super()._add_anchor(node, kind, pinned)
+            if node.anchor is not None:
+                placed.append(kind is AnchorKind.RESUME or node.block_hash in self._uses)
+
+        def free(self, request):
+            super().free(request)
+            self.check_integrity()
+
+    run = replay.simulate("mimo", "mimo-v2.5-pro", 1.0, requests, ideal, replay.SimParams(),
+                          progress=False, mimo_cls=Checked)
+    assert placed and all(placed)
+    assert 0 < run.hit_tokens <= run.ideal_hit_tokens
+
+    out = tmp_path / "bound.json"
+    args = ["--workload", "shared-system-prompt", "--layout", "mimo-v2.5-pro", "--kv-gib", "1",
+            "--max-requests", "80", "--quiet"]
+    assert replay_bound.main([*args, "--json", str(out)]) == 0
+    bound = {r["engine"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(bound) == set(replay_bound.ENGINES)
+    assert bound["clairvoyant"]["hit_tokens"] == run.hit_tokens
+    plain = _run(tmp_path, *args, "--engines", "swa-free,mimo")
+    for engine in ("swa-free", "mimo"):
+        assert bound[engine]["hit_tokens"] == plain[(engine, 1.0)]["hit_tokens"]
+
+
+def test_bound_rejects_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        replay_bound.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "4", "0"])
+    assert "--kv-gib values must be > 0, got [4.0, 0.0]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        replay_bound.main(["--workload", "nope", "--layout", "mimo-v2.5-pro", "--kv-gib", "4"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""How close any anchor policy could come to `swa-free`: the plugin's manager with clairvoyant anchors.
+
+    python -m eval.replay_bound (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
+        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--json OUT] [--quiet]
+
+Replays like `eval.replay`, and per budget runs four engines on the same requests and blocks:
+`swa-free`, the plugin (`mimo`), and two variants of the plugin's manager that read the whole
+workload in advance:
+  * `clairvoyant-placement`: an anchor is placed only at a node where some request's ideal hit
+    ends (the longest prefix an earlier request computed, as `eval.replay` counts the ideal),
+    of the kind the plugin would place there; the plugin's eviction order;
+  * `clairvoyant`: the same anchors, and the anchor evicted is the one whose next such request
+    comes last in arrival order (Belady's rule over anchors; a preempted request's resume
+    anchor goes last, since that request comes back first in line).
+Everything else (the pools, Full eviction, the SWA mask, the step cut) is the plugin's. They are
+measuring tools, not policies. Where even they stay well below `swa-free`, what is missing is
+the memory SWA KV itself takes (anchor windows, running windows, a prefill's own blocks), not
+a better choice of which anchors to keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
+from eval.workloads import ReplayRequest, tokens
+from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet
+from vllm_mimo.block_manager.manager import HybridKVCacheManager
+
+ENGINES = ("swa-free", "mimo", "clairvoyant-placement", "clairvoyant")
+
+# Anchors a request asks for itself: placed whatever the future holds.
+_ALWAYS_PLACED = frozenset({AnchorKind.RESUME, AnchorKind.DECLARED})
+
+
+class FarthestNextUseFirst(AnchorSet):
+    """Anchors in the plugin's queues, but the victim in each is the one used again last."""
+
+    def __init__(self, next_use: Callable[[Anchor], float]) -> None:
+        super().__init__()
+        self._next_use = next_use
+
+    def victim(self, include_held: bool = False) -> Anchor | None:
+        for queue in (self._unpinned, self._pinned, self._held if include_held else {}):
+            if queue:
+                return max(queue.values(), key=self._next_use)
+        return None
+
+
+def clairvoyant_manager(
+    requests: list[ReplayRequest], ideal: list[int], evict_farthest: bool
+) -> type[HybridKVCacheManager]:
+    """The plugin's manager with anchors only where some request's ideal hit ends; with
+    `evict_farthest`, evicting the anchor whose next such request comes last."""
+
+    class Clairvoyant(HybridKVCacheManager):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            # Built at the first lookup: block hashes need the hash seed the replay sets up.
+            self._uses: dict[object, list[int]] | None = None
+            self._next: dict[object, int] = {}  # per junction: index into its uses not yet admitted
+            self._admitted: set[int] = set()
+            if evict_farthest:
+                self.anchors = FarthestNextUseFirst(self._next_use)
+
+        def _junction_uses(self) -> dict[object, list[int]]:
+            from vllm.sampling_params import SamplingParams
+            from vllm.utils.hashing import sha256
+
+            from vllm_mimo.compat import Request, get_request_block_hasher
+
+            hasher = get_request_block_hasher(self.block_size, sha256)
+            uses: dict[object, list[int]] = {}
+            for i, (request, hit) in enumerate(zip(requests, ideal)):
+                if hit >= self.block_size:
+                    probe = Request(str(i), tokens(request.prompt), SamplingParams(max_tokens=1), None,
+                                    arrival_time=0.0, block_hasher=hasher)
+                    uses.setdefault(probe.block_hashes[hit // self.block_size - 1], []).append(i)
+            return uses
+
+        def get_computed_blocks(self, request, max_cache_hit_length=None):
+            if self._uses is None:
+                self._uses = self._junction_uses()
+            return super().get_computed_blocks(request, max_cache_hit_length)
+
+        def _on_admit(self, request, state, hit_tokens: int) -> None:
+            if request.num_preemptions == 0:
+                self._admitted.add(int(request.request_id))
+            super()._on_admit(request, state, hit_tokens)
+
+        def _add_anchor(self, node, kind: AnchorKind, pinned: bool) -> None:
+            if kind in _ALWAYS_PLACED or node.block_hash in self._uses:
+                super()._add_anchor(node, kind, pinned)
+
+        def _next_use(self, anchor: Anchor) -> float:
+            if AnchorKind.RESUME in anchor.kinds and not anchor.served:
+                return -1.0
+            key = anchor.node.block_hash
+            uses = self._uses.get(key, ())
+            k = self._next.get(key, 0)
+            while k < len(uses) and uses[k] in self._admitted:
+                k += 1
+            self._next[key] = k
+            return uses[k] if k < len(uses) else math.inf
+
+    return Clairvoyant
+
+
+def print_table(runs: list[RunResult]) -> None:
+    by_budget: dict[float, dict[str, RunResult]] = {}
+    for run in runs:
+        by_budget.setdefault(run.kv_gib, {})[run.engine] = run
+    head = "| KV GiB | ideal | " + " | ".join(ENGINES) + " | " + " | ".join(f"{e} ÷ swa-free" for e in ENGINES[1:]) + " |"
+    print(head)
+    print("|" + "---:|" * (2 + 2 * len(ENGINES) - 1))
+    for kv_gib, row in by_budget.items():
+        free = row["swa-free"].hit_tokens or 1
+        cells = [f"{kv_gib:g}", f"{row['swa-free'].ideal_hit_tokens:,}"]
+        cells += [f"{row[e].hit_tokens:,}" for e in ENGINES]
+        cells += [f"{row[e].hit_tokens / free:.2f}" for e in ENGINES[1:]]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.replay_bound", description=__doc__.split("\n\n")[0])
+    add_source_arguments(parser)
+    parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
+    parser.add_argument("--json", type=Path, help="write the runs as JSON here")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    args = parser.parse_args(argv)
+    if any(not g > 0 for g in args.kv_gib):
+        parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
+    requests = load_source(parser, args)
+    if requests is None:
+        return 2
+    params = SimParams(closed_loop=not args.open_loop)
+    ideal = ideal_hits(requests)
+    source_name = str(args.trace) if args.trace else args.workload
+    print(f"replay_bound: {source_name}, {len(requests)} requests, layout {args.layout}", file=sys.stderr)
+    variants = {
+        "clairvoyant-placement": clairvoyant_manager(requests, ideal, evict_farthest=False),
+        "clairvoyant": clairvoyant_manager(requests, ideal, evict_farthest=True),
+    }
+    runs = []
+    for kv_gib in args.kv_gib:
+        for name in ENGINES:
+            engine = "swa-free" if name == "swa-free" else "mimo"
+            try:
+                run = simulate(engine, args.layout, kv_gib, requests, ideal, params,
+                               progress=not args.quiet, mimo_cls=variants.get(name))
+            except ValueError as e:
+                print(f"error: {name} at {kv_gib} GiB: {e}", file=sys.stderr)
+                return 2
+            run.engine = name
+            runs.append(run)
+    print_table(runs)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "source": source_name, "layout": args.layout, "runs": [r.as_dict() for r in runs],
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
