@@ -233,6 +233,52 @@ def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node(
     assert anchors.victim() is hot
 
 
+def test_an_anchor_evicted_before_it_served_counts_when_a_later_request_passes_its_node():
+    tree = PrefixTree()
+    a, b, c = _chain(tree, 3)
+    anchors = AnchorSet(ghost_capacity=2)
+    grid = Anchor(a, [a], AnchorKind.GRID, pinned=False, now=1)
+    end = Anchor(b, [b], AnchorKind.OUTPUT_END, pinned=False, now=2)
+    hot = Anchor(c, [c], AnchorKind.HOT, pinned=False, now=3)
+    for anchor in (grid, end, hot):
+        anchors.add(anchor)
+        anchors.remember_evicted(anchor)  # a hot prefix is not speculative: not remembered
+        anchors.remove(anchor)
+    anchors.check_integrity()
+    hashes = [a.block_hash, b.block_hash, c.block_hash]
+    anchors.credit_missed_serve(hashes, 0, 1)  # only up to `a`: the grid point would have served
+    assert anchors.served == {AnchorKind.GRID: 1}
+    anchors.credit_missed_serve(hashes, 0, 3)  # the deepest remembered one counts, once
+    anchors.credit_missed_serve(hashes, 0, 3)
+    assert anchors.served == {AnchorKind.GRID: 1, AnchorKind.OUTPUT_END: 1}
+    served = Anchor(a, [a], AnchorKind.GRID, pinned=False, now=4)
+    anchors.add(served)
+    anchors.record_hit(served, now=5)
+    anchors.remember_evicted(served)  # it served: counted already
+    anchors.remove(served)
+    anchors.credit_missed_serve(hashes, 0, 3)
+    assert anchors.served == {AnchorKind.GRID: 2, AnchorKind.OUTPUT_END: 1}
+    for i, node in enumerate(_chain(tree, 3, prefix="g")):  # the oldest remembered go first
+        anchors.remember_evicted(Anchor(node, [node], AnchorKind.GRID, pinned=False, now=6 + i))
+    anchors.check_integrity()
+
+
+def test_a_next_turn_after_its_sessions_anchor_was_evicted_still_counts_for_the_kind():
+    """Demoted kinds go first, so a kind judged seldom useful would stay judged so: the
+    anchors the budget evicted before the next turn came count as serves when it comes."""
+    m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 6 windows of 3 ids
+    first = [make_request(f"s{i}", [9000 + i] * 60) for i in range(12)]
+    for request in first:
+        _run(m, request, output=[5] * 30)
+    useful = m.anchors.usefulness(AnchorKind.OUTPUT_END)
+    assert m.metrics.anchors_evicted["output_end"] and not m.anchors.served[AnchorKind.OUTPUT_END]
+    # The latest session's output end was demoted at birth (none has served yet) and evicted.
+    turn2 = make_request("s11-2", first[-1].all_token_ids[:-1] + [7] * 20)
+    assert _run(m, turn2, output=[5]) == 0
+    assert m.anchors.served[AnchorKind.OUTPUT_END] == 1
+    assert m.anchors.usefulness(AnchorKind.OUTPUT_END) > useful
+
+
 def test_a_hot_prefix_held_by_a_running_request_outlives_older_anchors():
     m = _manager(hot_prefix_min_hits=2, anchor_budget_fraction=0.05)
     for i in range(3):  # u1 computes the prefix; u2 and u3 reuse it: hot

@@ -23,8 +23,9 @@ saves (measured in eval/RESULTS.md).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from enum import Enum
+from typing import Any
 
 from vllm_mimo.block_manager.prefix_tree import Node
 
@@ -75,9 +76,16 @@ class Anchor:
 
 class AnchorSet:
     """Live anchors in eviction order: least recently used first, pinned anchors after all
-    others; shared anchors held by running requests are kept apart and never evicted."""
+    others; shared anchors held by running requests are kept apart and never evicted.
 
-    def __init__(self) -> None:
+    It also learns, per kind, the share of speculative anchors that serve a hit (`usefulness`).
+    An anchor demoted for a low share goes first and is often evicted before its request
+    comes, which would keep the share low however useful the kind is. So the block hashes of
+    the latest `ghost_capacity` speculative anchors evicted before serving are remembered, and
+    a later request whose prompt passes one of them past its hit counts as the serve it missed.
+    """
+
+    def __init__(self, ghost_capacity: int = 0) -> None:
         self._unpinned: OrderedDict[int, Anchor] = OrderedDict()
         self._held: OrderedDict[int, Anchor] = OrderedDict()
         self._pinned: OrderedDict[int, Anchor] = OrderedDict()
@@ -85,10 +93,35 @@ class AnchorSet:
         self._num_demoted = 0  # demoted anchors in `_unpinned` (its front); read every step
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
+        self.ghost_capacity = ghost_capacity
+        # Block hash of the node of a speculative anchor evicted before it served -> its kinds.
+        self._ghosts: OrderedDict[Any, frozenset[AnchorKind]] = OrderedDict()
 
     def usefulness(self, kind: AnchorKind) -> float:
-        """Share of this kind's anchors that served a hit so far (1/2 before any evidence)."""
+        """Share of this kind's anchors that served a hit so far, or would have had they not
+        been evicted (1/2 before any evidence)."""
         return (self.served[kind] + 1) / (self.created[kind] + 2)
+
+    def remember_evicted(self, anchor: Anchor) -> None:
+        """`anchor` is being evicted: if it is speculative and never served, remember where."""
+        kinds = anchor.kinds & SPECULATIVE_KINDS
+        if kinds and not anchor.served and self.ghost_capacity:
+            key = anchor.node.block_hash
+            self._ghosts[key] = frozenset(kinds)
+            self._ghosts.move_to_end(key)
+            if len(self._ghosts) > self.ghost_capacity:
+                self._ghosts.popitem(last=False)
+
+    def credit_missed_serve(self, block_hashes: Sequence[Any], start: int, end: int) -> None:
+        """A new request could hit up to block `end` but hits only `start` blocks: the deepest
+        remembered evicted anchor in between would have served it."""
+        if not self._ghosts:
+            return
+        for pos in range(end - 1, start - 1, -1):
+            kinds = self._ghosts.pop(block_hashes[pos], None)
+            if kinds is not None:
+                self.served.update(kinds)
+                return
 
     def record_hit(self, anchor: Anchor, now: float) -> None:
         """A hit ended at `anchor`."""
@@ -184,6 +217,7 @@ class AnchorSet:
         demoted = [anchor.last_used == float("-inf") for anchor in self._unpinned.values()]
         assert demoted == sorted(demoted, reverse=True), "a demoted anchor is behind one in use"
         assert sum(demoted) == self._num_demoted, "the demoted count disagrees with the anchors"
+        assert len(self._ghosts) <= self.ghost_capacity, "more evicted anchors remembered than allowed"
 
     def victim(self, include_held: bool = False) -> Anchor | None:
         """The anchor to evict next: unpinned, then pinned, then held ones if `include_held`

@@ -40,8 +40,9 @@ from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats, Requ
 from vllm_mimo.config import MimoConfig, MimoConfigError
 
 
-# Below this share of anchors that served a hit, new speculative anchors of a kind start at the
-# front of the eviction order: kept when memory is plentiful, first to go when it is not.
+# Below this share of anchors that served a hit (or would have, had they not been evicted first:
+# see AnchorSet), new speculative anchors of a kind start at the front of the eviction order:
+# kept when memory is plentiful, first to go when it is not.
 _USEFUL_SHARE = 0.25
 
 
@@ -157,7 +158,10 @@ class HybridKVCacheManager:
         self.hot_prefix_min_hits = config.hot_prefix_min_hits
         self.grid_anchor_blocks = config.grid_anchor_tokens // geometry.block_size
         self.tree = PrefixTree()
-        self.anchors = AnchorSet()
+        # Evicted anchors are remembered as many as the budget holds: what twice the budget
+        # would keep (the size of ARC's ghost lists).
+        anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
+        self.anchors = AnchorSet(ghost_capacity=self.anchor_budget_blocks // anchor_blocks)
         self.metrics = KVManagerMetrics()
 
         self.coordinator = CoordinatorView(
@@ -376,6 +380,8 @@ class HybridKVCacheManager:
             m.full_cached_tokens += full_tokens
             m.pseudo_hit_tokens += full_tokens - hit_tokens
             m.recomputed_swa_tokens += full_tokens - hit_tokens
+            longest = min(len(request.block_hashes), (request.num_prompt_tokens - 1) // bs)
+            self.anchors.credit_missed_serve(request.block_hashes, hit_tokens // bs, longest)
             if state.nodes:
                 # Where this request's cached prefix ends is where it leaves what others
                 # computed: a junction. Count the distinct requests that stop at it.
@@ -573,6 +579,7 @@ class HybridKVCacheManager:
     def _evict_anchor(self, anchor: Anchor) -> None:
         for kind in anchor.kinds:
             self.metrics.anchors_evicted[kind.value] += 1
+        self.anchors.remember_evicted(anchor)
         self._drop_anchor(anchor)
 
     def _evict_lru(self, evict_held: bool) -> bool:
