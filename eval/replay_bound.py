@@ -61,7 +61,7 @@ def clairvoyant_manager(
     class Clairvoyant(HybridKVCacheManager):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            # Built at the first lookup: block hashes need the hash seed the replay sets up.
+            # Built when first needed: block hashes need the hash seed the replay sets up.
             self._uses: dict[object, list[int]] | None = None
             self._next: dict[object, int] = {}  # per junction: index into its uses not yet admitted
             self._admitted: set[int] = set()
@@ -69,6 +69,9 @@ def clairvoyant_manager(
                 self.anchors = FarthestNextUseFirst(self._next_use)
 
         def _junction_uses(self) -> dict[object, list[int]]:
+            """Per block hash: the requests whose ideal hit ends at that block, in arrival order."""
+            if self._uses is not None:
+                return self._uses
             from vllm.sampling_params import SamplingParams
             from vllm.utils.hashing import sha256
 
@@ -81,12 +84,8 @@ def clairvoyant_manager(
                     probe = Request(str(i), tokens(request.prompt), SamplingParams(max_tokens=1), None,
                                     arrival_time=0.0, block_hasher=hasher)
                     uses.setdefault(probe.block_hashes[hit // self.block_size - 1], []).append(i)
+            self._uses = uses
             return uses
-
-        def get_computed_blocks(self, request, max_cache_hit_length=None):
-            if self._uses is None:
-                self._uses = self._junction_uses()
-            return super().get_computed_blocks(request, max_cache_hit_length)
 
         def _on_admit(self, request, state, hit_tokens: int) -> None:
             if request.num_preemptions == 0:
@@ -94,14 +93,14 @@ def clairvoyant_manager(
             super()._on_admit(request, state, hit_tokens)
 
         def _add_anchor(self, node, kind: AnchorKind, pinned: bool) -> None:
-            if kind in _ALWAYS_PLACED or node.block_hash in self._uses:
+            if kind in _ALWAYS_PLACED or node.block_hash in self._junction_uses():
                 super()._add_anchor(node, kind, pinned)
 
         def _next_use(self, anchor: Anchor) -> float:
             if AnchorKind.RESUME in anchor.kinds and not anchor.served:
                 return -1.0
             key = anchor.node.block_hash
-            uses = self._uses.get(key, ())
+            uses = self._junction_uses().get(key, ())
             k = self._next.get(key, 0)
             while k < len(uses) and uses[k] in self._admitted:
                 k += 1

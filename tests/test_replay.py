@@ -157,7 +157,7 @@ def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):
         def _add_anchor(self, node, kind, pinned):
             super()._add_anchor(node, kind, pinned)
             if node.anchor is not None:
-                placed.append(kind is AnchorKind.RESUME or node.block_hash in self._uses)
+                placed.append(kind is AnchorKind.RESUME or node.block_hash in self._junction_uses())
 
         def free(self, request):
             super().free(request)
