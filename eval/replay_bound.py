@@ -39,16 +39,16 @@ _ALWAYS_PLACED = frozenset({AnchorKind.RESUME, AnchorKind.DECLARED})
 
 
 class FarthestNextUseFirst(AnchorSet):
-    """Anchors in the plugin's queues, but the victim in each is the one used again last."""
+    """Anchors in the plugin's tiers, but the victim in each is the one used again last."""
 
     def __init__(self, next_use: Callable[[Anchor], float]) -> None:
         super().__init__()
         self._next_use = next_use
 
     def victim(self, include_held: bool = False) -> Anchor | None:
-        for queue in (self._unpinned, self._pinned, self._held if include_held else {}):
-            if queue:
-                return max(queue.values(), key=self._next_use)
+        for tier in self.tiers(include_held):
+            if tier:
+                return max(tier, key=self._next_use)
         return None
 
 

@@ -233,6 +233,47 @@ def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node(
     assert anchors.victim() is hot
 
 
+def test_demoted_anchors_that_never_served_go_before_those_that_did():
+    tree = PrefixTree()
+    a, b, c, d = _chain(tree, 4)
+    anchors = AnchorSet()
+    served = Anchor(a, [a], AnchorKind.PROMPT_TAIL, pinned=False, now=1)
+    idle = Anchor(b, [b], AnchorKind.OUTPUT_END, pinned=False, now=2)
+    recent = Anchor(c, [c], AnchorKind.GRID, pinned=False, now=3)
+    live = Anchor(d, [d], AnchorKind.GRID, pinned=False, now=4)
+    for anchor in (served, idle, recent, live):
+        anchors.add(anchor)
+    anchors.record_hit(served, now=5)
+    anchors.demote(idle)
+    anchors.demote(served)  # its session moved past it: demoted after the unserved one
+    anchors.demote(recent)
+    anchors.check_integrity()
+    # Unserved demoted first (the latest demoted first), then served demoted, then LRU.
+    assert list(anchors) == [recent, idle, served, live]
+    assert anchors.num_demoted() == 3
+    anchors.remove(recent)
+    assert anchors.victim() is idle
+    anchors.record_hit(idle, now=6)  # a hit takes it out of the demoted anchors
+    assert list(anchors) == [served, live, idle] and anchors.num_demoted() == 1
+    anchors.check_integrity()
+    assert list(anchors.tiers()) == [[served, live, idle], []]
+
+
+def test_where_a_session_went_on_outlives_demoted_anchors_that_never_served():
+    """The anchor a session's next turn went on from is demoted, but behind the anchors that
+    never served: a request that forks there later (a retry, a parallel branch) still hits."""
+    m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 4 windows of 2 blocks x 2 SWA groups
+    first = make_request("a1", [8000] * 60)
+    _run(m, first, output=[5] * 30)
+    for i in range(3):  # one-turn sessions: their prompt ends never serve
+        _run(m, make_request(f"s{i}", [9000 + i] * 60), output=[5] * 30)
+    prefix = first.all_token_ids[:-1]
+    junction = len(prefix) // BLOCK * BLOCK
+    assert _run(m, make_request("a2", prefix + [7] * 100), output=[5] * 3) == junction
+    assert m.metrics.anchors_evicted["prompt_end"] > 0  # the budget did evict
+    assert _run(m, make_request("fork", prefix + [6] * 40), output=[5]) == junction
+
+
 def test_an_anchor_evicted_before_it_served_counts_when_a_later_request_passes_its_node():
     tree = PrefixTree()
     a, b, c = _chain(tree, 3)
@@ -266,7 +307,7 @@ def test_an_anchor_evicted_before_it_served_counts_when_a_later_request_passes_i
 def test_a_next_turn_after_its_sessions_anchor_was_evicted_still_counts_for_the_kind():
     """Demoted kinds go first, so a kind judged seldom useful would stay judged so: the
     anchors the budget evicted before the next turn came count as serves when it comes."""
-    m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 6 windows of 3 ids
+    m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 4 windows of 2 blocks x 2 SWA groups
     first = [make_request(f"s{i}", [9000 + i] * 60) for i in range(12)]
     for request in first:
         _run(m, request, output=[5] * 30)
@@ -437,7 +478,7 @@ def test_a_prompt_end_on_the_grid_stays_a_grid_anchor_when_the_output_moves_on()
 
 
 def test_anchor_budget_evicts_least_recently_used_anchors_first():
-    m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 6 windows of 3 ids
+    m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 4 windows of 2 blocks x 2 SWA groups
     for i in range(12):
         _run(m, make_request(f"s{i}", [9000 + i] * 60), output=[5] * 30)
     assert m._swa_retained <= m.anchor_budget_blocks

@@ -2,8 +2,9 @@
 
 An anchor ends at a tree node (a block boundary). It covers that node and the ancestors a hit
 there needs (`window_blocks` nodes); while it lives, their SWA blocks are not freed. Anchors
-are evicted least recently used first, pinned anchors last, whenever the SWA KV they retain
-exceeds the anchor budget or the SWA pool needs the blocks.
+are evicted demoted ones first (see `AnchorSet`), then least recently used first, pinned
+anchors last, whenever the SWA KV they retain exceeds the anchor budget or the SWA pool needs
+the blocks.
 
 A shared anchor whose node running requests hold is in use, as a block held by a running
 request is in use for vLLM's LRU: it is not evicted at all while held, and goes back to the
@@ -75,8 +76,13 @@ class Anchor:
 
 
 class AnchorSet:
-    """Live anchors in eviction order: least recently used first, pinned anchors after all
-    others; shared anchors held by running requests are kept apart and never evicted.
+    """Live anchors in eviction order: demoted anchors first, then the others least recently
+    used first, pinned anchors after all of them; shared anchors held by running requests are
+    kept apart and never evicted.
+
+    Demoted anchors (no longer needed, or of a kind that seldom serves) leave the latest
+    demoted first, and those that never served a hit before those that did: a served anchor
+    marks a junction requests did come back to, so another may fork there.
 
     It also learns, per kind, the share of speculative anchors that serve a hit (`usefulness`).
     An anchor demoted for a low share goes first and is often evicted before its request
@@ -86,11 +92,13 @@ class AnchorSet:
     """
 
     def __init__(self, ghost_capacity: int = 0) -> None:
-        self._unpinned: OrderedDict[int, Anchor] = OrderedDict()
+        # Unpinned anchors, in three queues evicted in this order.
+        self._demoted_unserved: OrderedDict[int, Anchor] = OrderedDict()
+        self._demoted_served: OrderedDict[int, Anchor] = OrderedDict()
+        self._unpinned: OrderedDict[int, Anchor] = OrderedDict()  # not demoted, LRU first
         self._held: OrderedDict[int, Anchor] = OrderedDict()
         self._pinned: OrderedDict[int, Anchor] = OrderedDict()
         self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
-        self._num_demoted = 0  # demoted anchors in `_unpinned` (its front); read every step
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
         self.ghost_capacity = ghost_capacity
@@ -131,18 +139,21 @@ class AnchorSet:
         self.touch(anchor, now)
 
     def __len__(self) -> int:
-        return len(self._unpinned) + len(self._held) + len(self._pinned)
+        return sum(len(queue) for queue in self._queues())
 
     def __iter__(self) -> Iterator[Anchor]:
         """Every live anchor: the evictable ones in eviction order, then the held ones."""
-        yield from self._unpinned.values()
-        yield from self._pinned.values()
-        yield from self._held.values()
+        for queue in self._queues():
+            yield from queue.values()
+
+    def _queues(self) -> tuple[OrderedDict[int, Anchor], ...]:
+        return self._demoted_unserved, self._demoted_served, self._unpinned, self._pinned, self._held
 
     def _queue(self, anchor: Anchor) -> OrderedDict[int, Anchor]:
-        if anchor.pinned:
-            return self._pinned
-        return self._held if id(anchor) in self._held else self._unpinned
+        for queue in self._queues():
+            if id(anchor) in queue:
+                return queue
+        raise KeyError(f"{anchor} is not a live anchor")
 
     def add(self, anchor: Anchor) -> None:
         (self._pinned if anchor.pinned else self._unpinned)[id(anchor)] = anchor
@@ -157,27 +168,28 @@ class AnchorSet:
         if kind in SHARED_KINDS:
             self._shared[id(anchor)] = anchor
 
-    def _is_demoted_unpinned(self, anchor: Anchor) -> bool:
-        return anchor.last_used == float("-inf") and id(anchor) in self._unpinned
-
     def remove(self, anchor: Anchor) -> None:
-        self._num_demoted -= self._is_demoted_unpinned(anchor)
         self._queue(anchor).pop(id(anchor))
         self._shared.pop(id(anchor), None)
 
     def touch(self, anchor: Anchor, now: float) -> None:
-        """Mark as just used: last in its eviction order."""
-        self._num_demoted -= self._is_demoted_unpinned(anchor)
+        """Mark as just used: last in its eviction order (no longer demoted)."""
+        queue = self._queue(anchor)
         anchor.last_used = now
-        self._queue(anchor).move_to_end(id(anchor))
+        if queue is self._demoted_unserved or queue is self._demoted_served:
+            self._unpinned[id(anchor)] = queue.pop(id(anchor))
+        else:
+            queue.move_to_end(id(anchor))
 
     def demote(self, anchor: Anchor) -> None:
         """Mark as no longer needed: first in its eviction order."""
-        if id(anchor) in self._held:
-            self._unpinned[id(anchor)] = self._held.pop(id(anchor))
-        self._num_demoted += not anchor.pinned and not self._is_demoted_unpinned(anchor)
         anchor.last_used = float("-inf")
-        self._queue(anchor).move_to_end(id(anchor), last=False)
+        if anchor.pinned:
+            self._pinned.move_to_end(id(anchor), last=False)
+            return
+        demoted = self._demoted_served if anchor.served else self._demoted_unserved
+        demoted[id(anchor)] = self._queue(anchor).pop(id(anchor))
+        demoted.move_to_end(id(anchor), last=False)
 
     def holdable(self, anchor: Anchor) -> bool:
         """Whether `hold` would take the anchor out of the eviction order: an unpinned shared
@@ -197,7 +209,6 @@ class AnchorSet:
 
     def pin(self, anchor: Anchor) -> None:
         if not anchor.pinned:
-            self._num_demoted -= self._is_demoted_unpinned(anchor)
             self._queue(anchor).pop(id(anchor))
             anchor.pinned = True
             self._pinned[id(anchor)] = anchor
@@ -207,29 +218,40 @@ class AnchorSet:
             assert not anchor.pinned and anchor.kinds & SHARED_KINDS, anchor
             assert anchor.node.full_refs > 0, f"{anchor} is held but no running request holds its node"
             assert anchor.last_used != float("-inf"), f"{anchor} is held but demoted"
+        for queue, served in ((self._demoted_unserved, False), (self._demoted_served, True)):
+            for anchor in queue.values():
+                assert not anchor.pinned and anchor.last_used == float("-inf"), f"{anchor} is not demoted"
+                assert anchor.served == served, f"{anchor} is in the wrong demoted queue"
         for anchor in self._unpinned.values():
             assert not anchor.pinned, anchor
+            assert anchor.last_used != float("-inf"), f"{anchor} is demoted but not in a demoted queue"
             held = anchor.kinds & SHARED_KINDS and anchor.node.full_refs > 0
-            assert not held or anchor.last_used == float("-inf"), f"{anchor} is in use but not held"
+            assert not held, f"{anchor} is in use but not held"
         assert all(anchor.pinned for anchor in self._pinned.values())
         shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}
         assert shared == set(self._shared), "the shared-kind index disagrees with the live anchors"
-        demoted = [anchor.last_used == float("-inf") for anchor in self._unpinned.values()]
-        assert demoted == sorted(demoted, reverse=True), "a demoted anchor is behind one in use"
-        assert sum(demoted) == self._num_demoted, "the demoted count disagrees with the anchors"
         assert len(self._ghosts) <= self.ghost_capacity, "more evicted anchors remembered than allowed"
+
+    def tiers(self, include_held: bool = False) -> Iterator[list[Anchor]]:
+        """The evictable anchors in tiers, each in eviction order: unpinned (demoted ones
+        first), pinned, then held ones if `include_held`. Victims come from the first tier
+        that is not empty."""
+        yield [anchor for queue in self._queues()[:3] for anchor in queue.values()]
+        yield list(self._pinned.values())
+        if include_held:
+            yield list(self._held.values())
 
     def victim(self, include_held: bool = False) -> Anchor | None:
         """The anchor to evict next: unpinned, then pinned, then held ones if `include_held`
         (for a request with nobody else running); None if none is left."""
-        for queue in (self._unpinned, self._pinned, self._held if include_held else {}):
+        for queue in self._queues()[: 5 if include_held else 4]:
             if queue:
                 return next(iter(queue.values()))
         return None
 
     def num_demoted(self) -> int:
         """Demoted anchors that are not pinned: they lead the eviction order."""
-        return self._num_demoted
+        return len(self._demoted_unserved) + len(self._demoted_served)
 
     def is_held(self, anchor: Anchor) -> bool:
         return id(anchor) in self._held
