@@ -79,9 +79,10 @@ class MimoConfig:
         metadata=_key(
             "Share of all KV blocks that SWA anchors (windows kept after requests move on) "
             "may hold; the auto SWA pool is running windows plus this budget. Within it, "
-            "anchors and cached Full blocks are evicted least recently used first (pinned "
-            "anchors and their paths last); over it, the oldest anchors go. A hot prefix or a "
-            "prompt tail that running requests hold is in use and stays.",
+            "anchors and cached Full blocks are evicted least recently used first (anchors no "
+            "longer needed or seldom reached before the others, pinned anchors and their paths "
+            "last); over it, anchors go in that order. A hot prefix or a prompt tail that "
+            "running requests hold is in use and stays.",
             min=0.0,
             max=0.9,
         ),
