@@ -77,13 +77,13 @@ def clairvoyant_manager(
 
             from vllm_mimo.compat import Request, get_request_block_hasher
 
-            hasher = get_request_block_hasher(self.block_size, sha256)
+            hasher = get_request_block_hasher(self.block_size // self._hash_stride, sha256)
             uses: dict[object, list[int]] = {}
             for i, (request, hit) in enumerate(zip(requests, ideal)):
                 if hit >= self.block_size:
                     probe = Request(str(i), tokens(request.prompt), SamplingParams(max_tokens=1), None,
                                     arrival_time=0.0, block_hasher=hasher)
-                    uses.setdefault(probe.block_hashes[hit // self.block_size - 1], []).append(i)
+                    uses.setdefault(self._position_hashes(probe)[hit // self.block_size - 1], []).append(i)
             self._uses = uses
             return uses
 

@@ -26,7 +26,7 @@ BASE_LLM_KWARGS = {
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {layout: make_tiny_model(root / layout, layout) for layout in ("mimo", "gemma3", "llama")}
+    return {layout: make_tiny_model(root / layout, layout) for layout in ("mimo", "mimo-flash", "gemma3", "llama")}
 
 
 @dataclass

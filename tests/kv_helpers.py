@@ -17,11 +17,18 @@ from vllm_mimo.compat import (
 BLOCK = 16
 
 
-def kv_config(num_blocks: int, window: int = 32, swa_groups: int = 2, full_groups: int = 1) -> KVCacheConfig:
-    """Full groups first, then SWA groups, one layer each, all aliasing `num_blocks` blocks."""
+def kv_config(
+    num_blocks: int, window: int = 32, swa_groups: int = 2, full_groups: int = 1, full_block: int = BLOCK
+) -> KVCacheConfig:
+    """Full groups first, then SWA groups, one layer each, all aliasing `num_blocks` blocks.
+
+    `full_block` other than BLOCK: the Full groups' blocks hold that many tokens, as vLLM sizes
+    them where Full layers have fewer KV heads than SWA layers (MiMo-V2-Flash), so that every
+    group's page has the same bytes."""
     common = dict(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    full = FullAttentionSpec(**{**common, "block_size": full_block})
     groups = [
-        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], FullAttentionSpec(**common))
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], full)
         for i in range(full_groups)
     ] + [
         KVCacheGroupSpec(

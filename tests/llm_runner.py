@@ -28,14 +28,13 @@ def worker_report(worker) -> dict:
             layers.append(
                 {"name": name, "sliding_window": module.sliding_window, "has_sink": module.has_sink}
             )
-    groups = [
-        type(g.kv_cache_spec).__name__ for g in worker.model_runner.kv_cache_config.kv_cache_groups
-    ]
+    specs = [g.kv_cache_spec for g in worker.model_runner.kv_cache_config.kv_cache_groups]
     return {
         "pid": os.getpid(),
         "registered": hooks.registered(),
         "attention_layers": layers,
-        "group_kinds": groups,
+        "group_kinds": [type(spec).__name__ for spec in specs],
+        "block_sizes": [spec.block_size for spec in specs],
         "block_ids": getattr(worker.model_runner, "_test_block_ids", None),
     }
 

@@ -126,6 +126,15 @@ def test_geometry_rejects_a_non_hybrid_config():
         KVGeometry.from_kv_cache_config(kv_config(64, swa_groups=0))
 
 
+def test_geometry_of_groups_with_different_block_sizes():
+    """MiMo-V2-Flash below TP 8: vLLM gives the Full group (fewer KV heads) 2x larger blocks."""
+    geo = KVGeometry.from_kv_cache_config(kv_config(64, window=40, swa_groups=3, full_block=2 * BLOCK))
+    assert geo.block_size == 2 * BLOCK and not geo.uniform
+    assert geo.full_ids_per_position == 1 and geo.swa_ids_per_position == 3 * 2
+    # W - 1 = 39 tokens before a hit: 2 positions of 32, each 2 SWA blocks of 16 per group.
+    assert geo.window_blocks == 2 and geo.swa_blocks_per_request == 6 * 3
+
+
 # ---------------------------------------------------------------------- manager
 
 
@@ -592,6 +601,40 @@ def test_watermark_and_reserved_blocks_hold_back_admissions_as_upstream():
     m.check_integrity()
     with pytest.raises(ValueError, match=r"watermark must be in \[0, 1\), got 1.5"):
         HybridKVCacheManager(kv_config(40), 4096, BLOCK, BLOCK, watermark=1.5)
+
+
+def _mixed_manager(num_blocks: int = 400, max_model_len: int = 4096) -> HybridKVCacheManager:
+    """Full blocks of 32 tokens, SWA blocks of 16: positions of 32, hashes of 16."""
+    return HybridKVCacheManager(
+        kv_config(num_blocks, full_block=2 * BLOCK), max_model_len, 2 * BLOCK, BLOCK, max_num_running=4,
+        mimo_config=MimoConfig(grid_anchor_tokens=0),
+    )
+
+
+def test_groups_with_different_block_sizes_get_their_own_blocks_and_hit_window_safe():
+    m = _mixed_manager()
+    first = make_request("t1", SYSTEM + [7] * 20)  # 180 tokens
+    assert _run(m, first, output=list(range(50, 90))) == 0
+    turn2 = make_request("t2", first.all_token_ids[:-1] + [8] * 30)
+    blocks, hit, _ = m.get_computed_blocks(turn2)
+    assert hit == (first.num_tokens - 1) // (2 * BLOCK) * (2 * BLOCK) == 192
+    full, *swa = blocks.blocks
+    assert len(full) == 192 // (2 * BLOCK)
+    for group in swa:  # the W - 1 = 31 tokens before the hit: 2 SWA blocks, nulls before
+        assert len(group) == 192 // BLOCK and all(b.block_id for b in group[-2:])
+        assert all(b.block_id == 0 for b in group[:-2])
+    assert m.allocate_slots(turn2, turn2.num_tokens - hit, hit, blocks) is not None
+    m.check_integrity()
+    # As vLLM's own managers: each group has cdiv(tokens, its block size) blocks (249 tokens).
+    assert [len(ids) for ids in m.get_block_ids(turn2.request_id)] == [8, 16, 16]
+    assert [len(ids) for ids in m.get_block_ids_for_computed_tokens(turn2.request_id, 40)] == [2, 3, 3]
+
+
+def test_groups_with_different_block_sizes_need_a_max_model_len_of_whole_positions():
+    with pytest.raises(UnsupportedKVLayout, match="max_model_len 4008 is not a multiple of 32"):
+        _mixed_manager(max_model_len=4008)
+    with pytest.raises(UnsupportedKVLayout, match=r"scheduler block size 16 must equal .* \(32\)"):
+        HybridKVCacheManager(kv_config(400, full_block=2 * BLOCK), 4096, BLOCK, BLOCK)
 
 
 def test_reset_prefix_cache_empties_the_tree_when_idle():

@@ -23,12 +23,13 @@ class ManagerMachine(RuleBasedStateMachine):
         budget=st.sampled_from([0.0, 0.1, 0.5]),
         grid=st.sampled_from([0, 2 * BLOCK]),
         eagle=st.booleans(),
+        full_block=st.sampled_from([BLOCK, 2 * BLOCK]),  # 2 * BLOCK: positions of two SWA blocks
     )
-    def setup(self, num_blocks: int, budget: float, grid: int, eagle: bool) -> None:
+    def setup(self, num_blocks: int, budget: float, grid: int, eagle: bool, full_block: int) -> None:
         config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid)
         self.m = HybridKVCacheManager(
-            kv_config(num_blocks, window=WINDOW), 4096, BLOCK, BLOCK, max_num_running=3,
-            mimo_config=config, use_eagle=eagle,
+            kv_config(num_blocks, window=WINDOW, full_block=full_block), 4096, full_block, BLOCK,
+            max_num_running=3, mimo_config=config, use_eagle=eagle,
         )
         self.waiting: list = []
         self.running: list = []
@@ -118,21 +119,24 @@ class ManagerMachine(RuleBasedStateMachine):
         self.finished.append(req)
 
     def _check_window_safe(self, req, blocks, hit: int) -> None:
-        """A reported hit has Full KV for every block and SWA KV for the window before it."""
-        assert hit % BLOCK == 0 and hit <= req.num_tokens - 1
+        """A reported hit has Full KV for every position and SWA KV for the window before it."""
         geo = self.m.geometry
-        n = hit // BLOCK
+        assert hit % geo.block_size == 0 and hit <= req.num_tokens - 1
+        n = hit // geo.block_size
         if n == 0:
             return
+        stride = geo.block_size // BLOCK  # hash blocks per position; the last one names the prefix
         for gid in geo.full_group_ids:
+            k = geo.blocks_per_position(gid)
             ids = [b.block_id for b in blocks.blocks[gid]]
-            assert len(ids) == n and 0 not in ids
-            for pos, block_id in enumerate(ids):
-                node = self.m.tree.nodes[req.block_hashes[pos]]
+            assert len(ids) == n * k and 0 not in ids
+            for i, block_id in enumerate(ids):
+                node = self.m.tree.nodes[req.block_hashes[(i // k + 1) * stride - 1]]
                 assert block_id in node.full_blocks
         for gid in geo.swa_group_ids:
-            tail = [b.block_id for b in blocks.blocks[gid]][-min(n, geo.window_blocks):]
-            assert len(blocks.blocks[gid]) == n and 0 not in tail
+            k = geo.blocks_per_position(gid)
+            tail = [b.block_id for b in blocks.blocks[gid]][-min(n, geo.window_blocks) * k :]
+            assert len(blocks.blocks[gid]) == n * k and 0 not in tail
 
 
 ManagerMachine.TestCase.settings = settings(

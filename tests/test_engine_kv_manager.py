@@ -25,13 +25,17 @@ def ids(tiny_models):
     return corpus_ids(tiny_models["mimo"], 6000)
 
 
-@pytest.fixture(scope="module")
-def sessions(tiny_models, ids):
-    """Six users, one system prompt, three turns each, in a KV cache small enough to preempt."""
-    job = {
+def _six_user_sessions(ids: list[int]) -> dict:
+    return {
         "system": ids[:300],
         "turns": [[ids[1000 + 400 * t + 60 * u : 1000 + 400 * t + 60 * u + 40 + 10 * u] for u in range(6)] for t in range(3)],
     }
+
+
+@pytest.fixture(scope="module")
+def sessions(tiny_models, ids):
+    """Six users, one system prompt, three turns each, in a KV cache small enough to preempt."""
+    job = _six_user_sessions(ids)
     kwargs = {**FP32, "kv_cache_memory_bytes": 144 * 65536, "max_model_len": 1024, "disable_log_stats": False}
     return {
         side: run_engine(tiny_models["mimo"], sessions=job, env=env, max_tokens=100, llm_kwargs=kwargs)
@@ -135,3 +139,31 @@ def test_malformed_anchor_hint_fails_the_request_not_the_engine_start(tiny_model
     log = run_engine(tiny_models["mimo"], [[bad]], expect_failure=True)
     assert "must be a list of positive token positions, got 'end of system'" in log
     assert "Traceback" in log and "vllm-mimo: hybrid SWA model" in log  # it started, then refused
+
+
+@pytest.fixture(scope="module")
+def flash_sessions(tiny_models, ids):
+    """The six users' sessions on the MiMo-V2-Flash-shaped tiny model: its SWA layers have twice
+    the full layers' KV heads, so vLLM gives the full group 256-token blocks and the SWA groups
+    128-token ones, and the manager works in 256-token positions. Its blocks take twice the
+    bytes, so twice the KV budget of `sessions` gives the same number of blocks."""
+    kwargs = {**FP32, "kv_cache_memory_bytes": 288 * 65536, "max_model_len": 1024, "disable_log_stats": False}
+    return {
+        side: run_engine(
+            tiny_models["mimo-flash"], sessions=_six_user_sessions(ids), env=env, max_tokens=100, llm_kwargs=kwargs
+        )
+        for side, env in (("on", {}), ("off", OFF))
+    }
+
+
+def test_groups_with_different_block_sizes_run_on_the_manager_with_the_same_tokens(flash_sessions):
+    on, off = flash_sessions["on"], flash_sessions["off"]
+    assert "hybrid-kv-manager" in on.log_lines("features on")[0]
+    (line,) = on.log_lines("vllm-mimo: KV pools:")
+    assert "block size 128/256" in line
+    worker = on.workers[0]
+    sizes = dict(zip(worker["group_kinds"], worker["block_sizes"]))
+    assert sizes == {"FullAttentionSpec": 2 * BLOCK, "SlidingWindowSpec": BLOCK}
+    assert on.mimo["window_safe_hit_tokens"] > 0 and on.mimo["pools"]["full"]["evicted_blocks"] > 0
+    assert on.preemptions > 0
+    assert [[o["ids"] for o in turn] for turn in on.turns] == [[o["ids"] for o in turn] for turn in off.turns]

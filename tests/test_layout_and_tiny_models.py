@@ -71,6 +71,17 @@ def test_tiny_mimo_folder(tiny_models):
         assert (folder / name).exists()
 
 
+def test_tiny_mimo_flash_folder_has_twice_the_kv_heads_in_swa_layers(tiny_models):
+    folder = tiny_models["mimo-flash"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["swa_num_key_value_heads"] == 2 * config["num_key_value_heads"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(parameter_shapes(config))
+        full, swa, mtp = (f.get_slice(f"model.{layer}.self_attn.k_proj.weight").get_shape()
+                          for layer in ("layers.0", "layers.1", "mtp.layers.0"))
+    assert swa == mtp == [2 * full[0], full[1]]
+
+
 def test_tiny_model_is_reproducible(tiny_models, tmp_path):
     from vllm_mimo.testing.tiny_model import make_tiny_model
 

@@ -55,6 +55,17 @@ def test_smoke_run_on_a_small_workload(tmp_path):
     assert set(runs[("mimo", 4.0)]["peak_blocks"]) == {"swa", "full"}
 
 
+def test_the_plugin_replays_a_layout_whose_groups_have_different_block_sizes(tmp_path):
+    """mimo-v2-flash: Full layers have half the SWA layers' KV heads, so vLLM gives the Full group
+    32-token blocks and the SWA groups 16-token ones."""
+    runs = _run(tmp_path, "--workload", "shared-system-prompt", "--layout", "mimo-v2-flash",
+                "--kv-gib", "1", "--max-requests", "60", "--engines", "upstream-r0,mimo")
+    mimo, r0 = runs[("mimo", 1.0)], runs[("upstream-r0", 1.0)]
+    assert mimo["prompt_tokens"] == r0["prompt_tokens"]
+    assert mimo["hit_tokens"] > r0["hit_tokens"] > 0
+    assert mimo["hit_tokens"] % 32 == 0 and mimo["pseudo_hit_tokens"] < mimo["hit_tokens"] // 10
+
+
 def test_a_next_turn_is_sent_when_the_answer_it_contains_is_complete():
     """Turn 2's timestamp falls while turn 1 still decodes its 200-token answer."""
     system, answer = Segment(11, 400), Segment(12, 200)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,13 @@ class KVGeometry:
 
     Every group aliases one backing buffer of `num_blocks` blocks (block 0 is vLLM's null
     block), so a block id is owned by one group at a time.
+
+    The manager works in *positions* of `block_size` tokens: the least common multiple of the
+    groups' block sizes, vLLM's scheduler block size. Where every group has the same block size
+    a position is one block per group. Where page sizes differ (MiMo-V2-Flash below TP 8: its
+    SWA layers have twice the Full layers' KV heads), vLLM gives the groups with smaller pages
+    larger blocks, and a position holds `block_size // group_block_sizes[gid]` blocks of group
+    `gid`.
     """
 
     block_size: int
@@ -27,20 +35,40 @@ class KVGeometry:
     window: int
     full_group_ids: tuple[int, ...]
     swa_group_ids: tuple[int, ...]
+    group_block_sizes: tuple[int, ...]
+    """Each group's own block size, by group id."""
 
     @property
     def num_groups(self) -> int:
         return len(self.full_group_ids) + len(self.swa_group_ids)
 
     @property
+    def uniform(self) -> bool:
+        """Whether every group's block is one position."""
+        return all(size == self.block_size for size in self.group_block_sizes)
+
+    def blocks_per_position(self, gid: int) -> int:
+        return self.block_size // self.group_block_sizes[gid]
+
+    @property
+    def full_ids_per_position(self) -> int:
+        """Full block ids one position holds, over all Full groups."""
+        return sum(self.blocks_per_position(gid) for gid in self.full_group_ids)
+
+    @property
+    def swa_ids_per_position(self) -> int:
+        """SWA block ids one position holds, over all SWA groups."""
+        return sum(self.blocks_per_position(gid) for gid in self.swa_group_ids)
+
+    @property
     def window_blocks(self) -> int:
-        """Blocks of SWA KV a hit at a block boundary needs before it: the W - 1 previous tokens."""
+        """Positions of SWA KV a hit at a position boundary needs before it: the W - 1 previous tokens."""
         return cdiv(self.window - 1, self.block_size)
 
     @property
     def swa_blocks_per_request(self) -> int:
-        """SWA block ids one decoding request holds: its window plus the block being written."""
-        return len(self.swa_group_ids) * (self.window_blocks + 1)
+        """SWA block ids one decoding request holds: its window plus the position being written."""
+        return self.swa_ids_per_position * (self.window_blocks + 1)
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any) -> "KVGeometry":
@@ -49,7 +77,7 @@ class KVGeometry:
         full: list[int] = []
         swa: list[int] = []
         windows: set[int] = set()
-        block_sizes: set[int] = set()
+        block_sizes: list[int] = []
         if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
             raise UnsupportedKVLayout(
                 "this KV cache needs new blocks zeroed (mixed-precision pages); the hybrid KV "
@@ -67,21 +95,17 @@ class KVGeometry:
                     f"KV cache group {gid} has a {type(spec).__name__}; the hybrid KV manager "
                     "handles only plain full-attention and sliding-window groups"
                 )
-            block_sizes.add(spec.block_size)
+            block_sizes.append(spec.block_size)
         if not full or not swa:
             raise UnsupportedKVLayout(
                 f"the hybrid KV manager needs Full and SWA groups, got {len(full)} Full and "
                 f"{len(swa)} SWA groups"
             )
-        if len(block_sizes) != 1:
-            raise UnsupportedKVLayout(
-                f"KV cache groups use block sizes {sorted(block_sizes)}; the hybrid KV manager "
-                "needs one block size for every group"
-            )
         return cls(
-            block_size=block_sizes.pop(),
+            block_size=math.lcm(*block_sizes),
             num_blocks=kv_cache_config.num_blocks,
             window=max(windows),
             full_group_ids=tuple(full),
             swa_group_ids=tuple(swa),
+            group_block_sizes=tuple(block_sizes),
         )

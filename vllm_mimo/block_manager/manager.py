@@ -3,8 +3,9 @@
 It offers the methods and attributes vLLM's `Scheduler` uses on its `KVCacheManager`, so the
 scheduler (and the replay in `eval/replay.py`) drives either one through the same calls.
 
-Per running request it keeps, for every block position, the Full block ids (one per Full group)
-and, inside the SWA mask, the SWA block ids (one per SWA group): the last W tokens, plus the
+Per running request it keeps, for every block position, the Full block ids (one per Full group,
+or more where a group's blocks are smaller than a position: see `KVGeometry`) and, inside the
+SWA mask, the SWA block ids (likewise per SWA group): the last W tokens, plus the
 blocks of the tokens scheduled in the current step (vLLM's attention backends read a prefill
 chunk's own keys from the cache). Everything older is released: kept in the tree while an anchor
 covers it, freed otherwise. A request holds a reference on every tree node of its prefix, so an
@@ -50,6 +51,16 @@ def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_b
     """SWA pool size: every running request's window, plus the anchor budget."""
     running = max_running * geometry.swa_blocks_per_request
     return max(geometry.swa_blocks_per_request, min(running + anchor_budget_blocks, (geometry.num_blocks - 1) // 2))
+
+
+def _group_slices(geometry: KVGeometry, group_ids: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(group id, start, stop): where each group's block ids lie in a position's id tuple."""
+    slices, start = [], 0
+    for gid in group_ids:
+        stop = start + geometry.blocks_per_position(gid)
+        slices.append((gid, start, stop))
+        start = stop
+    return tuple(slices)
 
 
 @dataclass(frozen=True)
@@ -111,10 +122,20 @@ class HybridKVCacheManager:
         """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block);
         `watermark`: vLLM's `--watermark`, the share of blocks kept free when admitting."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
-        if hash_block_size != geometry.block_size or scheduler_block_size != geometry.block_size:
+        if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
             raise UnsupportedKVLayout(
-                f"hash block size {hash_block_size} and scheduler block size "
-                f"{scheduler_block_size} must equal the KV block size {geometry.block_size}"
+                f"scheduler block size {scheduler_block_size} must equal the least common multiple "
+                f"of the KV cache groups' block sizes ({geometry.block_size}), and the hash block "
+                f"size {hash_block_size} must divide it"
+            )
+        if not geometry.uniform and max_model_len % geometry.block_size:
+            # vLLM's block tables hold cdiv(max_model_len, group block size) blocks per group;
+            # whole positions past a max_model_len that ends mid-position would overflow them.
+            raise UnsupportedKVLayout(
+                f"max_model_len {max_model_len} is not a multiple of {geometry.block_size}: with KV "
+                f"cache groups of block sizes {sorted(set(geometry.group_block_sizes))}, the hybrid KV "
+                f"manager allocates whole {geometry.block_size}-token positions; set --max-model-len "
+                f"to a multiple of {geometry.block_size}"
             )
         config = mimo_config or MimoConfig()
         self.geometry = geometry
@@ -135,8 +156,12 @@ class HybridKVCacheManager:
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self._full_gids = geometry.full_group_ids
         self._swa_gids = geometry.swa_group_ids
-        self._n_full = len(self._full_gids)
-        self._n_swa = len(self._swa_gids)
+        # Block ids per position in each pool; each group's are a slice of a position's tuple.
+        self._n_full = geometry.full_ids_per_position
+        self._n_swa = geometry.swa_ids_per_position
+        self._full_slices = _group_slices(geometry, self._full_gids)
+        self._swa_slices = _group_slices(geometry, self._swa_gids)
+        self._hash_stride = geometry.block_size // hash_block_size
 
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
@@ -151,8 +176,8 @@ class HybridKVCacheManager:
             raise MimoConfigError(
                 f"swa_pool_fraction={config.swa_pool_fraction} gives the SWA pool {swa_blocks} of "
                 f"{geometry.num_blocks - 1} blocks, fewer than one request's window needs "
-                f"({geometry.swa_blocks_per_request} = {self._n_swa} SWA groups x "
-                f"{geometry.window_blocks + 1} blocks); raise it or leave it null (auto)"
+                f"({geometry.swa_blocks_per_request} = {self._n_swa} SWA blocks per position x "
+                f"{geometry.window_blocks + 1} positions); raise it or leave it null (auto)"
             )
         self.pools = BlockPools(geometry.num_blocks, swa_blocks)
         self.hot_prefix_min_hits = config.hot_prefix_min_hits
@@ -191,24 +216,48 @@ class HybridKVCacheManager:
         limit = request.num_tokens - 1
         if max_cache_hit_length is not None:
             limit = min(limit, max_cache_hit_length)
-        match = self.tree.match(request.block_hashes, limit // self.block_size, self.window_blocks)
+        hashes = self._position_hashes(request)
+        match = self.tree.match(hashes, limit // self.block_size, self.window_blocks)
         if self.use_eagle and match.safe_blocks:
-            match = self.tree.match(request.block_hashes, match.safe_blocks - 1, self.window_blocks)
+            match = self.tree.match(hashes, match.safe_blocks - 1, self.window_blocks)
         self._matches[request.request_id] = match
         hit = match.safe_blocks
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
         return self._blocks_for_hit(match.path, hit), hit * self.block_size, 0
 
+    def _position_hashes(self, request: Any) -> Sequence[Any]:
+        """The request's block hashes, one per position: vLLM chains them, so the hash of a
+        position's last hash block names the whole prefix up to the position's end."""
+        stride = self._hash_stride
+        return request.block_hashes if stride == 1 else request.block_hashes[stride - 1 :: stride]
+
     def _blocks_for_hit(self, path: list[Node], hit: int) -> KVCacheBlocks:
-        kv = self._kv_blocks
-        groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
-        for i, gid in enumerate(self._full_gids):
-            groups[gid] = [kv[node.full_blocks[i]] for node in path[:hit]]
         start = max(0, hit - self.window_blocks)
-        for i, gid in enumerate(self._swa_gids):
-            groups[gid] = [self.null_block] * start + [kv[node.swa_blocks[i]] for node in path[start:hit]]
+        return self._kv_cache_blocks(
+            [node.full_blocks for node in path[:hit]], [None] * start + [node.swa_blocks for node in path[start:hit]]
+        )
+
+    def _kv_cache_blocks(
+        self, full: Sequence[tuple[int, ...]], swa: Sequence[tuple[int, ...] | None]
+    ) -> KVCacheBlocks:
+        """vLLM's per-group block lists for these positions (an SWA position of None: null blocks)."""
+        groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
+        for gid, start, stop in self._full_slices:
+            groups[gid] = self._group_blocks(full, start, stop)
+        for gid, start, stop in self._swa_slices:
+            groups[gid] = self._group_blocks(swa, start, stop)
         return KVCacheBlocks(tuple(groups))
+
+    def _group_blocks(self, positions: Sequence[tuple[int, ...] | None], start: int, stop: int) -> list[KVCacheBlock]:
+        """One group's blocks: `ids[start:stop]` of each position's ids."""
+        kv, null = self._kv_blocks, self.null_block
+        if stop == start + 1:
+            return [null if ids is None else kv[ids[start]] for ids in positions]
+        blocks: list[KVCacheBlock] = []
+        for ids in positions:
+            blocks.extend([null] * (stop - start) if ids is None else [kv[i] for i in ids[start:stop]])
+        return blocks
 
     # -------------------------------------------------------------- allocation
 
@@ -279,18 +328,11 @@ class HybridKVCacheManager:
             state = _RequestBlocks()
             self._adopt(state, hit_path, hit, have_full - hit)
         new_full, new_swa = self._take(need_full, need_swa, evict_held)
-        kv = self._kv_blocks
-        groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
-        for p in range(full_positions):
-            full = tuple(new_full[p * self._n_full : (p + 1) * self._n_full])
-            state.full.append(full)
-            for i, gid in enumerate(self._full_gids):
-                groups[gid].append(kv[full[i]])
-        for p in range(swa_positions):
-            swa = tuple(new_swa[p * self._n_swa : (p + 1) * self._n_swa])
-            state.swa.append(swa)
-            for i, gid in enumerate(self._swa_gids):
-                groups[gid].append(kv[swa[i]])
+        n_full, n_swa = self._n_full, self._n_swa
+        full = [tuple(new_full[p * n_full : (p + 1) * n_full]) for p in range(full_positions)]
+        swa = [tuple(new_swa[p * n_swa : (p + 1) * n_swa]) for p in range(swa_positions)]
+        state.full.extend(full)
+        state.swa.extend(swa)
         state.step_blocks = swa_positions
         state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
 
@@ -300,7 +342,7 @@ class HybridKVCacheManager:
         if not delay_cache_blocks and self.enable_caching:
             self._cache(request, state, min(total_computed + num_new_tokens, request.num_tokens))
         self._enforce_anchor_budget()
-        return KVCacheBlocks(tuple(groups)) if full_positions or swa_positions else self.empty_kv_cache_blocks
+        return self._kv_cache_blocks(full, swa) if full_positions or swa_positions else self.empty_kv_cache_blocks
 
     def _adoptable_path(self, request: Any, num_new_computed_tokens: int) -> list[Node]:
         """The matched Full path of a request being admitted with a hit of that many tokens.
@@ -313,7 +355,9 @@ class HybridKVCacheManager:
         hit = num_new_computed_tokens // self.block_size
         if match is not None and self._still_holds(match.path, hit):
             return match.path
-        match = self.tree.match(request.block_hashes, (request.num_tokens - 1) // self.block_size, self.window_blocks)
+        match = self.tree.match(
+            self._position_hashes(request), (request.num_tokens - 1) // self.block_size, self.window_blocks
+        )
         if hit and not self._still_holds(match.path, hit):
             raise ValueError(
                 f"request {request.request_id}: {num_new_computed_tokens} computed tokens passed in, "
@@ -380,8 +424,9 @@ class HybridKVCacheManager:
             m.full_cached_tokens += full_tokens
             m.pseudo_hit_tokens += full_tokens - hit_tokens
             m.recomputed_swa_tokens += full_tokens - hit_tokens
-            longest = min(len(request.block_hashes), (request.num_prompt_tokens - 1) // bs)
-            self.anchors.credit_missed_serve(request.block_hashes, hit_tokens // bs, longest)
+            hashes = self._position_hashes(request)
+            longest = min(len(hashes), (request.num_prompt_tokens - 1) // bs)
+            self.anchors.credit_missed_serve(hashes, hit_tokens // bs, longest)
             if state.nodes:
                 # Where this request's cached prefix ends is where it leaves what others
                 # computed: a junction. Count the distinct requests that stop at it.
@@ -453,7 +498,8 @@ class HybridKVCacheManager:
 
     def _cache(self, request: Any, state: _RequestBlocks, num_tokens: int) -> None:
         """Offer the request's newly full blocks to the tree, and place anchors that fall due."""
-        end = min(num_tokens // self.block_size, len(request.block_hashes), len(state.full))
+        block_hashes, stride = request.block_hashes, self._hash_stride
+        end = min(num_tokens // self.block_size, len(block_hashes) // stride, len(state.full))
         tree, tick = self.tree, self._tick
         grid, prompt_blocks = self.grid_anchor_blocks, (request.num_prompt_tokens - 1) // self.block_size
         for pos in range(state.num_cached, end):
@@ -462,7 +508,7 @@ class HybridKVCacheManager:
             else:
                 parent = state.nodes[pos - 1] if pos else tree.root
                 siblings = len(parent.children)
-                node = tree.child(parent, request.block_hashes[pos])
+                node = tree.child(parent, block_hashes[(pos + 1) * stride - 1])
                 if node.full_blocks is None:
                     tree.set_full(node, state.full[pos])
                     node.full_refs += 1  # a new node: never counted as cached-unreferenced
@@ -688,13 +734,7 @@ class HybridKVCacheManager:
         state = self._requests.get(request_id)
         if state is None:
             return self.empty_kv_cache_blocks
-        kv, null = self._kv_blocks, self.null_block
-        groups: list[list[KVCacheBlock]] = [[] for _ in range(self.num_kv_cache_groups)]
-        for i, gid in enumerate(self._full_gids):
-            groups[gid] = [kv[ids[i]] for ids in state.full]
-        for i, gid in enumerate(self._swa_gids):
-            groups[gid] = [null if ids is None else kv[ids[i]] for ids in state.swa]
-        return KVCacheBlocks(tuple(groups))
+        return self._kv_cache_blocks(state.full, state.swa)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
@@ -762,8 +802,9 @@ class HybridKVCacheManager:
         return state.num_cached * self.block_size if state else 0
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
-        n = cdiv(num_computed_tokens, self.block_size)
-        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+        sizes = self.geometry.group_block_sizes
+        ids = self.get_block_ids(request_id)
+        return tuple(group[: cdiv(num_computed_tokens, sizes[gid])] for gid, group in enumerate(ids))
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Cascade attention is gone from vLLM; kept for the scheduler's interface."""

@@ -168,19 +168,19 @@ class _MimoSchedulerMixin:
             t.size for t in self.kv_cache_config.kv_cache_tensors  # type: ignore[attr-defined]
         ) / geometry.num_blocks
         described = []
-        for name, blocks, groups in (
-            ("SWA", pools.home_size[0], len(geometry.swa_group_ids)),
-            ("Full", pools.home_size[1], len(geometry.full_group_ids)),
+        for name, blocks, groups, per_position in (
+            ("SWA", pools.home_size[0], len(geometry.swa_group_ids), geometry.swa_ids_per_position),
+            ("Full", pools.home_size[1], len(geometry.full_group_ids), geometry.full_ids_per_position),
         ):
             described.append(
-                f"{name} pool {blocks} blocks = {blocks // groups * geometry.block_size} tokens "
+                f"{name} pool {blocks} blocks = {blocks // per_position * geometry.block_size} tokens "
                 f"in {groups} group{'s' if groups > 1 else ''}, "
                 f"{blocks * bytes_per_block / GIB:.3f} GiB"
             )
         logger.info(
-            "vllm-mimo: KV pools: %s; block size %d, window %d; anchors may hold %d blocks",
+            "vllm-mimo: KV pools: %s; block size %s, window %d; anchors may hold %d blocks",
             "; ".join(described),
-            geometry.block_size,
+            "/".join(str(size) for size in sorted(set(geometry.group_block_sizes))),
             geometry.window,
             manager.anchor_budget_blocks,
         )

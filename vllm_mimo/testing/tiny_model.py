@@ -1,6 +1,6 @@
 """Write small, local, random-weight model folders that vLLM loads with no network.
 
-    python -m vllm_mimo.testing.tiny_model OUT_DIR [--layout mimo|gemma3|llama]
+    python -m vllm_mimo.testing.tiny_model OUT_DIR [--layout mimo|mimo-flash|gemma3|llama]
 
 Each folder holds `config.json`, `model.safetensors` (random weights from a fixed seed)
 and a byte-level BPE tokenizer trained here on the Python standard library's sources.
@@ -9,6 +9,9 @@ Layouts:
   mimo    MiMo-V2.5-Pro in miniature: `hybrid_layer_pattern` of 1 full : 6 SWA, window 128,
           SWA attention-sink bias, 3 MTP layers (`model.mtp.layers.{0,1,2}.*`), dense MLP,
           qk head dim == v head dim == 64 (a CPU attention head size).
+  mimo-flash  the same with twice as many KV heads in the SWA layers as in the full ones, as
+          MiMo-V2-Flash has (8 against 4): the pages differ, so vLLM gives the full layers'
+          KV cache group blocks of twice as many tokens as the SWA groups'.
   gemma3  Gemma 3 text: 5 local (sliding, window 128) : 1 global layer.
   llama   plain Llama, no sliding window: the plugin must leave it alone.
 """
@@ -22,7 +25,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-LAYOUTS = ("mimo", "gemma3", "llama")
+LAYOUTS = ("mimo", "mimo-flash", "gemma3", "llama")
 SEED = 1234
 WINDOW = 128
 
@@ -87,8 +90,9 @@ def make_config(
         "pad_token_id": ids["<|endoftext|>"],
         "torch_dtype": "bfloat16",
     }
-    if layout == "mimo":
+    if layout in ("mimo", "mimo-flash"):
         n = num_layers or 7
+        swa_kv_heads = size.num_key_value_heads * (2 if layout == "mimo-flash" else 1)
         pattern = mimo_hybrid_pattern(n)
         # Hub field names, which vLLM's mimo_v2.py reads; the transformers-native
         # MiMoV2FlashConfig names (layer_types, sliding_window) are set to agree with them,
@@ -104,7 +108,7 @@ def make_config(
             "sliding_window_size": WINDOW,
             "sliding_window": WINDOW,
             "swa_num_attention_heads": size.num_attention_heads,
-            "swa_num_key_value_heads": size.num_key_value_heads,
+            "swa_num_key_value_heads": swa_kv_heads,
             "swa_head_dim": size.head_dim,
             "swa_v_head_dim": size.head_dim,
             "v_head_dim": size.head_dim,
@@ -156,6 +160,8 @@ def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hd = config["head_dim"]
     q = config["num_attention_heads"] * hd
     kv = config["num_key_value_heads"] * hd
+    # MiMo's SWA layers (and its MTP layers, which are SWA) may have their own KV head count.
+    swa_kv = config.get("swa_num_key_value_heads", config["num_key_value_heads"]) * hd
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config["vocab_size"], h),
         "model.norm.weight": (h,),
@@ -163,7 +169,7 @@ def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], h)
 
-    def attention_and_mlp(prefix: str) -> None:
+    def attention_and_mlp(prefix: str, kv: int) -> None:
         shapes[f"{prefix}.self_attn.q_proj.weight"] = (q, h)
         shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv, h)
         shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv, h)
@@ -175,23 +181,22 @@ def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}"
-        attention_and_mlp(prefix)
+        swa = config.get("hybrid_layer_pattern", [0] * (i + 1))[i] == 1
+        attention_and_mlp(prefix, swa_kv if swa else kv)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (h,)
         if config["model_type"] == "gemma3_text":
             shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (h,)
             shapes[f"{prefix}.post_feedforward_layernorm.weight"] = (h,)
             shapes[f"{prefix}.self_attn.q_norm.weight"] = (hd,)
             shapes[f"{prefix}.self_attn.k_norm.weight"] = (hd,)
-        if config.get("hybrid_layer_pattern", [0] * (i + 1))[i] == 1 and config.get(
-            "add_swa_attention_sink_bias"
-        ):
+        if swa and config.get("add_swa_attention_sink_bias"):
             shapes[f"{prefix}.self_attn.attention_sink_bias"] = (
                 config["num_attention_heads"],
             )
     for i in range(config.get("num_nextn_predict_layers", 0)):
         # MiMoV2MTPLayer: eh_proj(cat(enorm(emb), hnorm(prev))) -> SWA block -> final norm.
         prefix = f"model.mtp.layers.{i}"
-        attention_and_mlp(prefix)
+        attention_and_mlp(prefix, swa_kv)
         shapes[f"{prefix}.enorm.weight"] = (h,)
         shapes[f"{prefix}.hnorm.weight"] = (h,)
         shapes[f"{prefix}.eh_proj.weight"] = (h, 2 * h)
@@ -331,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         default="mimo",
         choices=LAYOUTS,
         help="mimo: MiMo-V2.5-Pro in miniature (1 full : 6 SWA, W=128, sinks, 3 MTP layers); "
-        "gemma3: 5 local : 1 global, W=128; llama: no sliding window (default: mimo)",
+        "mimo-flash: the same with 2x the KV heads in SWA layers, as MiMo-V2-Flash (full and SWA "
+        "KV cache groups get different block sizes); gemma3: 5 local : 1 global, W=128; llama: no sliding window (default: mimo)",
     )
     parser.add_argument("--seed", type=int, default=SEED, help=f"weight seed (default: {SEED})")
     args = parser.parse_args(argv)
