@@ -18,22 +18,25 @@ BLOCK = 16
 
 
 def kv_config(
-    num_blocks: int, window: int = 32, swa_groups: int = 2, full_groups: int = 1, full_block: int = BLOCK
+    num_blocks: int,
+    window: int = 32,
+    swa_groups: int = 2,
+    full_groups: int = 1,
+    full_block: int = BLOCK,
+    swa_block: int = BLOCK,
 ) -> KVCacheConfig:
     """Full groups first, then SWA groups, one layer each, all aliasing `num_blocks` blocks.
 
-    `full_block` other than BLOCK: the Full groups' blocks hold that many tokens, as vLLM sizes
-    them where Full layers have fewer KV heads than SWA layers (MiMo-V2-Flash), so that every
-    group's page has the same bytes."""
-    common = dict(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-    full = FullAttentionSpec(**{**common, "block_size": full_block})
+    Block sizes other than BLOCK: how vLLM sizes blocks where one kind of layer has fewer KV
+    heads (MiMo-V2-Flash's Full layers), so that every group's page has the same bytes."""
+    common = dict(num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     groups = [
-        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], full)
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], FullAttentionSpec(block_size=full_block, **common))
         for i in range(full_groups)
     ] + [
         KVCacheGroupSpec(
             [f"model.layers.{full_groups + i}.self_attn.attn"],
-            SlidingWindowSpec(sliding_window=window, **common),
+            SlidingWindowSpec(sliding_window=window, block_size=swa_block, **common),
         )
         for i in range(swa_groups)
     ]

@@ -23,13 +23,15 @@ class ManagerMachine(RuleBasedStateMachine):
         budget=st.sampled_from([0.0, 0.1, 0.5]),
         grid=st.sampled_from([0, 2 * BLOCK]),
         eagle=st.booleans(),
-        full_block=st.sampled_from([BLOCK, 2 * BLOCK]),  # 2 * BLOCK: positions of two SWA blocks
+        # (Full, SWA) block sizes: one size, or one kind's blocks holding two of the other's
+        block_sizes=st.sampled_from([(BLOCK, BLOCK), (2 * BLOCK, BLOCK), (BLOCK, 2 * BLOCK)]),
     )
-    def setup(self, num_blocks: int, budget: float, grid: int, eagle: bool, full_block: int) -> None:
+    def setup(self, num_blocks: int, budget: float, grid: int, eagle: bool, block_sizes: tuple[int, int]) -> None:
         config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid)
+        full_block, swa_block = block_sizes
         self.m = HybridKVCacheManager(
-            kv_config(num_blocks, window=WINDOW, full_block=full_block), 4096, full_block, BLOCK,
-            max_num_running=3, mimo_config=config, use_eagle=eagle,
+            kv_config(num_blocks, window=WINDOW, full_block=full_block, swa_block=swa_block), 4096,
+            max(block_sizes), BLOCK, max_num_running=3, mimo_config=config, use_eagle=eagle,
         )
         self.waiting: list = []
         self.running: list = []
