@@ -39,10 +39,6 @@ class KVGeometry:
     """Each group's own block size, by group id."""
 
     @property
-    def num_groups(self) -> int:
-        return len(self.full_group_ids) + len(self.swa_group_ids)
-
-    @property
     def uniform(self) -> bool:
         """Whether every group's block is one position."""
         return all(size == self.block_size for size in self.group_block_sizes)
