@@ -154,13 +154,11 @@ class HybridKVCacheManager:
         # block of SWA KV, and so does a running request behind its latest block boundary.
         self.anchor_window_blocks = self.window_blocks + (1 if use_eagle else 0)
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
-        self._full_gids = geometry.full_group_ids
-        self._swa_gids = geometry.swa_group_ids
         # Block ids per position in each pool; each group's are a slice of a position's tuple.
         self._n_full = geometry.full_ids_per_position
         self._n_swa = geometry.swa_ids_per_position
-        self._full_slices = _group_slices(geometry, self._full_gids)
-        self._swa_slices = _group_slices(geometry, self._swa_gids)
+        self._full_slices = _group_slices(geometry, geometry.full_group_ids)
+        self._swa_slices = _group_slices(geometry, geometry.swa_group_ids)
         self._hash_stride = geometry.block_size // hash_block_size
 
         if not 0.0 <= watermark < 1.0:
