@@ -242,6 +242,23 @@ def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node(
     assert anchors.victim() is hot
 
 
+def test_a_demoted_shared_anchor_that_serves_again_is_held_while_its_node_is():
+    """A prompt tail demoted while a request ran through it, then hit by the next request: no
+    longer demoted, and in use while that request holds its node (found by the stateful test)."""
+    tree = PrefixTree()
+    (node,) = _chain(tree, 1)
+    anchors = AnchorSet()
+    tail = Anchor(node, [node], AnchorKind.PROMPT_TAIL, pinned=False, now=1)
+    anchors.add(tail)
+    anchors.demote(tail)
+    node.full_refs = 1  # the request admitted with the hit holds the node: a demoted anchor is not held
+    anchors.hold(tail)
+    assert not anchors.is_held(tail)
+    anchors.record_hit(tail, now=2)
+    assert anchors.is_held(tail) and anchors.victim() is None
+    anchors.check_integrity()
+
+
 def test_demoted_anchors_that_never_served_go_before_those_that_did():
     tree = PrefixTree()
     a, b, c, d = _chain(tree, 4)

@@ -173,11 +173,14 @@ class AnchorSet:
         self._shared.pop(id(anchor), None)
 
     def touch(self, anchor: Anchor, now: float) -> None:
-        """Mark as just used: last in its eviction order (no longer demoted)."""
+        """Mark as just used: last in its eviction order (no longer demoted, so in use again if
+        it is shared and a running request holds its node)."""
         queue = self._queue(anchor)
         anchor.last_used = now
         if queue is self._demoted_unserved or queue is self._demoted_served:
             self._unpinned[id(anchor)] = queue.pop(id(anchor))
+            if anchor.node.full_refs:
+                self.hold(anchor)
         else:
             queue.move_to_end(id(anchor))
 
