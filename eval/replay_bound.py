@@ -83,7 +83,8 @@ def clairvoyant_manager(
                 if hit >= self.block_size:
                     probe = Request(str(i), tokens(request.prompt), SamplingParams(max_tokens=1), None,
                                     arrival_time=0.0, block_hasher=hasher)
-                    uses.setdefault(self._position_hashes(probe)[hit // self.block_size - 1], []).append(i)
+                    end = hit // self.block_size
+                    uses.setdefault(self._position_hashes(probe, end)[end - 1], []).append(i)
             self._uses = uses
             return uses
 

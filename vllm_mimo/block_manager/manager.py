@@ -214,7 +214,7 @@ class HybridKVCacheManager:
         limit = request.num_tokens - 1
         if max_cache_hit_length is not None:
             limit = min(limit, max_cache_hit_length)
-        hashes = self._position_hashes(request)
+        hashes = self._position_hashes(request, limit // self.block_size)
         match = self.tree.match(hashes, limit // self.block_size, self.window_blocks)
         if self.use_eagle and match.safe_blocks:
             match = self.tree.match(hashes, match.safe_blocks - 1, self.window_blocks)
@@ -224,11 +224,14 @@ class HybridKVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         return self._blocks_for_hit(match.path, hit), hit * self.block_size, 0
 
-    def _position_hashes(self, request: Any) -> Sequence[Any]:
-        """The request's block hashes, one per position: vLLM chains them, so the hash of a
-        position's last hash block names the whole prefix up to the position's end."""
+    def _position_hashes(self, request: Any, positions: int) -> Sequence[Any]:
+        """The request's block hashes of its first `positions` positions (or fewer, as far as
+        hashed): vLLM chains them, so the hash of a position's last hash block names the whole
+        prefix up to the position's end. Only as many as asked are copied: this runs per lookup."""
         stride = self._hash_stride
-        return request.block_hashes if stride == 1 else request.block_hashes[stride - 1 :: stride]
+        if stride == 1:
+            return request.block_hashes
+        return request.block_hashes[stride - 1 : positions * stride : stride]
 
     def _blocks_for_hit(self, path: list[Node], hit: int) -> KVCacheBlocks:
         start = max(0, hit - self.window_blocks)
@@ -353,9 +356,8 @@ class HybridKVCacheManager:
         hit = num_new_computed_tokens // self.block_size
         if match is not None and self._still_holds(match.path, hit):
             return match.path
-        match = self.tree.match(
-            self._position_hashes(request), (request.num_tokens - 1) // self.block_size, self.window_blocks
-        )
+        positions = (request.num_tokens - 1) // self.block_size
+        match = self.tree.match(self._position_hashes(request, positions), positions, self.window_blocks)
         if hit and not self._still_holds(match.path, hit):
             raise ValueError(
                 f"request {request.request_id}: {num_new_computed_tokens} computed tokens passed in, "
@@ -422,7 +424,7 @@ class HybridKVCacheManager:
             m.full_cached_tokens += full_tokens
             m.pseudo_hit_tokens += full_tokens - hit_tokens
             m.recomputed_swa_tokens += full_tokens - hit_tokens
-            hashes = self._position_hashes(request)
+            hashes = self._position_hashes(request, (request.num_prompt_tokens - 1) // bs)
             longest = min(len(hashes), (request.num_prompt_tokens - 1) // bs)
             self.anchors.credit_missed_serve(hashes, hit_tokens // bs, longest)
             if state.nodes:
