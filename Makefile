@@ -1,13 +1,16 @@
 # Two commands, each doing all of its own setup on a fresh machine:
 #   make demo   set up .venv, serve the bundled tiny MiMo with the plugin off and on, side by side
 #   make test   set up .venv and run the test suite (what CI runs, through .ci/run)
+# and, for your own loop:
+#   make check  the fast lane: unit, property, config, doctor, layout and replay tests (no engine)
+#   make fuzz   the stateful manager test for OPS manager calls (default 1,000,000)
 
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vllm-mimo-installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test check fuzz clean
 
 setup: $(STAMP)
 
@@ -36,6 +39,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+
+check: setup
+	$(PY) -m pytest -m "not engine" tests
+
+OPS ?= 1000000
+fuzz: setup
+	VLLM_MIMO_STATEFUL_OPS=$(OPS) $(PY) -m pytest tests/test_block_manager_stateful.py -k at_scale -s
 
 # lm-eval accuracy of the trained tiny MiMo: plugin off, plugin on, and `vllm serve` (issue 5)
 .PHONY: eval

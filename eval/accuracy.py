@@ -1,12 +1,23 @@
 """lm-eval accuracy of a model with the vllm-mimo plugin off, on, and behind `vllm serve`.
 
-    python -m eval.accuracy [--model checkpoints/tiny-mimo-trained] [--limit N] [--out out/accuracy]
+    python -m eval.accuracy [--model checkpoints/tiny-mimo-trained] [--limit N] [--dtype D] [--out out/accuracy]
 
-Three runs of lm-eval on the local tasks in `eval/lm_eval_tasks/` (no hub access):
+Runs of lm-eval on the local tasks in `eval/lm_eval_tasks/` (no hub access), by default the first
+three of:
 
-  off     lm_eval --model vllm --model_args pretrained=MODEL,enforce_eager=True,...  (VLLM_MIMO_ENABLE=0)
-  on      the same with VLLM_MIMO_ENABLE=1
-  served  lm_eval --model local-completions against `vllm serve MODEL` on 127.0.0.1 (plugin on)
+  off         lm_eval --model vllm --model_args pretrained=MODEL,enforce_eager=True,...  (VLLM_MIMO_ENABLE=0)
+  on          the same with VLLM_MIMO_ENABLE=1
+  served      lm_eval --model local-completions against `vllm serve MODEL` on 127.0.0.1, 4 requests
+              in flight (plugin on)
+  served-off  the same with the plugin off
+  off-serial  `off` with lm-eval's batch size 1: one request at a time, so the requests that
+              share a prompt (a choice task's choices) read it from the cache instead of
+              computing it in the same step
+
+Which requests share a step changes how a prefix is computed; in bfloat16 that changes the last
+bits of a log-likelihood, with the plugin off as much as on (`off-serial` against `off`, and
+served runs, which batch whatever is in flight; eval/RESULTS.md). So exact agreement is asked
+for in float32 (`--dtype`).
 
 It prints one table (task, metric, plugin off, plugin on, served), then how far each run's
 per-document results are from the `off` run (largest loglikelihood difference, generations that
@@ -28,7 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 TASK_DIR = REPO / "eval" / "lm_eval_tasks"
 DEFAULT_MODEL = REPO / "checkpoints" / "tiny-mimo-trained"
 TASKS = ("mimo_next_line_gen", "mimo_next_line_choice")
-RUNS = ("off", "on", "served")
+RUNS = ("off", "on", "served", "served-off", "off-serial")
+DEFAULT_RUNS = RUNS[:3]
 SERVED_NAME = "tiny-mimo-trained"
 # The metrics each task reports, in table order.
 METRICS = {"mimo_next_line_gen": ("exact_match",), "mimo_next_line_choice": ("acc", "acc_norm")}
@@ -128,32 +140,34 @@ def compare(reference: dict[str, list[dict]], other: dict[str, list[dict]]) -> d
     return report
 
 
-def run_vllm(model: Path, plugin_on: bool, tasks, out_dir: Path, limit: int | None, kv_bytes: int, max_model_len: int, timeout_s: float) -> tuple[dict, dict]:
+def run_vllm(model: Path, plugin_on: bool, tasks, out_dir: Path, limit: int | None, kv_bytes: int, max_model_len: int, dtype: str, timeout_s: float, batch_size: str = "auto") -> tuple[dict, dict]:
     model_args = {
         "pretrained": model,
+        "dtype": dtype,
         "enforce_eager": True,
         "kv_cache_memory_bytes": kv_bytes,
         "max_model_len": max_model_len,
         "enable_prefix_caching": True,
         "seed": 0,
     }
-    cmd = _lm_eval_cmd("vllm", model_args, tasks, out_dir, limit, "auto")
+    cmd = _lm_eval_cmd("vllm", model_args, tasks, out_dir, limit, batch_size)
     _run(cmd, _env(plugin_on), out_dir / "lm_eval.log", timeout_s)
     return _read_outputs(out_dir)
 
 
-def run_served(model: Path, tasks, out_dir: Path, limit: int | None, kv_bytes: int, max_model_len: int, timeout_s: float) -> tuple[dict, dict]:
+def run_served(model: Path, plugin_on: bool, tasks, out_dir: Path, limit: int | None, kv_bytes: int, max_model_len: int, dtype: str, timeout_s: float) -> tuple[dict, dict]:
     from vllm_mimo.testing.server import VllmServer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     server = VllmServer(
         model,
         "--enforce-eager",
+        "--dtype", dtype,
         "--max-model-len", str(max_model_len),
         "--kv-cache-memory-bytes", str(kv_bytes),
         "--served-model-name", SERVED_NAME,
         "--seed", "0",
-        env=_env(True),
+        env=_env(plugin_on),
         log_path=out_dir / "vllm_serve.log",
     )
     with server:
@@ -169,18 +183,19 @@ def run_served(model: Path, tasks, out_dir: Path, limit: int | None, kv_bytes: i
             "timeout": 600,
         }
         cmd = _lm_eval_cmd("local-completions", model_args, tasks, out_dir, limit, "8")
-        _run(cmd, _env(True), out_dir / "lm_eval.log", timeout_s)
+        _run(cmd, _env(plugin_on), out_dir / "lm_eval.log", timeout_s)
     return _read_outputs(out_dir)
 
 
 def evaluate(
     model: Path,
     out: Path,
-    runs=RUNS,
+    runs=DEFAULT_RUNS,
     tasks=TASKS,
     limit: int | None = None,
     kv_bytes: int = 256 << 20,
     max_model_len: int = 2048,
+    dtype: str = "auto",
     timeout_s: float = 3600,
     log=print,
 ) -> dict:
@@ -191,11 +206,13 @@ def evaluate(
     seconds: dict[str, float] = {}
     for run in runs:
         t0 = time.time()
-        log(f"[accuracy] run {run!r}: {'vllm serve + local-completions' if run == 'served' else 'lm_eval --model vllm'}, plugin {'off' if run == 'off' else 'on'} ...")
-        if run == "served":
-            data, smp = run_served(model, tasks, out / run, limit, kv_bytes, max_model_len, timeout_s)
+        served, plugin_on = run.startswith("served"), run in ("on", "served")
+        log(f"[accuracy] run {run!r}: {'vllm serve + local-completions' if served else 'lm_eval --model vllm'}, plugin {'on' if plugin_on else 'off'}, dtype {dtype} ...")
+        if served:
+            data, smp = run_served(model, plugin_on, tasks, out / run, limit, kv_bytes, max_model_len, dtype, timeout_s)
         else:
-            data, smp = run_vllm(model, run == "on", tasks, out / run, limit, kv_bytes, max_model_len, timeout_s)
+            data, smp = run_vllm(model, plugin_on, tasks, out / run, limit, kv_bytes, max_model_len, dtype, timeout_s,
+                                 batch_size="1" if run == "off-serial" else "auto")
         seconds[run] = round(time.time() - t0, 1)
         results[run] = {
             task: {k.split(",")[0]: v for k, v in vals.items() if "," in k and not k.split(",")[0].endswith("_stderr")}
@@ -208,6 +225,7 @@ def evaluate(
     n_docs = {task: len(rows) for task, rows in samples[base].items()}
     return {
         "model": str(model),
+        "dtype": dtype,
         "limit": limit,
         "docs": n_docs,
         "runs": results,
@@ -219,7 +237,7 @@ def evaluate(
 
 def format_table(report: dict) -> str:
     runs = list(report["runs"])
-    headers = ["task", "metric"] + [{"off": "plugin off", "on": "plugin on", "served": "served"}.get(r, r) for r in runs]
+    headers = ["task", "metric"] + [{"off": "plugin off", "on": "plugin on", "served": "served", "served-off": "served, plugin off", "off-serial": "plugin off, one at a time"}.get(r, r) for r in runs]
     rows = []
     for task in TASKS:
         for metric in METRICS[task]:
@@ -249,22 +267,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder (default: the committed trained tiny MiMo)")
     p.add_argument("--limit", type=int, default=None, help="documents per task (default: all; e.g. 24 for a quick run)")
-    p.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of off,on,served (the first is the reference)")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {','.join(RUNS)} (the first is the reference; default: {','.join(DEFAULT_RUNS)})")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated lm-eval tasks from eval/lm_eval_tasks")
     p.add_argument("--out", default=str(REPO / "out" / "accuracy"), help="folder for accuracy.json and lm-eval's outputs")
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM kv_cache_memory_bytes for every run")
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM max_model_len for every run")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype for every run (default: auto, the checkpoint's bf16; float32 makes every run's numbers independent of how requests were batched)")
     args = p.parse_args(argv)
     runs = tuple(r for r in args.runs.split(",") if r)
     if not runs or any(r not in RUNS for r in runs):
-        p.error(f"--runs must be a subset of {','.join(RUNS)}")
+        p.error(f"--runs must be a subset of {','.join(RUNS)}, got {args.runs!r}")
     tasks = tuple(t for t in args.tasks.split(",") if t)
     if any(t not in TASKS for t in tasks):
         p.error(f"--tasks must be a subset of {','.join(TASKS)}")
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
     out = Path(args.out)
-    report = evaluate(Path(args.model), out, runs, tasks, args.limit, args.kv_cache_bytes, args.max_model_len)
+    report = evaluate(Path(args.model), out, runs, tasks, args.limit, args.kv_cache_bytes, args.max_model_len, args.dtype)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(report, indent=2) + "\n")
     print()

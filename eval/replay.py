@@ -36,6 +36,7 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -149,18 +150,19 @@ class _Timed:
         self.calls += 1
         return out
 
-    def uncounted(self, name: str, *args):
+    def uncounted(self, fn: Callable, *args):
         """A call whose time counts but which is not one of the calls the mean is per."""
-        calls = self.calls
-        out = self(name, *args)
-        self.calls = calls
+        t0 = time.thread_time()
+        out = fn(*args)
+        self.seconds += time.thread_time() - t0
         return out
 
 
-def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams, mimo_cls: type | None = None):
-    """(manager, number of blocks, hash block size) for one engine at one budget; `mimo_cls`:
-    a `HybridKVCacheManager` subclass for the plugin's engine (`eval.replay_diagnose`)."""
-    from vllm_mimo.block_manager.manager import HybridKVCacheManager
+def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams, mimo_factory: Callable | None = None):
+    """(manager, number of blocks, hash block size) for one engine at one budget; `mimo_factory`:
+    called as `HybridKVCacheManager` is, to build the plugin's engine (with observers, or a
+    measuring tool's placement: `eval.replay_diagnose`, `eval.replay_bound`)."""
+    from vllm_mimo.block_manager.adapter import HybridKVCacheManager
     from vllm_mimo.compat import KVCacheManager, resolve_kv_cache_block_sizes
 
     vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
@@ -178,7 +180,7 @@ def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams
         hash_block_size=hash_block_size,
     )
     if engine == "mimo":
-        manager = (mimo_cls or HybridKVCacheManager)(config, max_num_running=params.max_running, **common)
+        manager = (mimo_factory or HybridKVCacheManager)(config, max_num_running=params.max_running, **common)
     else:
         manager = KVCacheManager(
             config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
@@ -207,12 +209,16 @@ def _full_group_hit(manager, request) -> int:
 
 
 def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayRequest], ideal: list[int],
-             params: SimParams, progress: bool = True, mimo_cls: type | None = None) -> RunResult:
+             params: SimParams, progress: bool = True, mimo_factory: Callable | None = None,
+             on_step: Callable[[], None] | None = None) -> RunResult:
+    """Replay `requests` through one engine at one budget. `mimo_factory`: see `make_manager`;
+    `on_step`: called after every simulated step."""
     from vllm_mimo.compat import Request, RequestStatus, get_request_block_hasher, init_none_hash
+    from vllm_mimo.engine.step_budget import StepBudget
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
 
-    manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_cls)
+    manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_factory)
     # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens,
     # vLLM's long_prefill_token_threshold), which vLLM ignores when one request is alone.
     plugin_chunk_cap = MimoConfig().prefill_chunk_tokens if engine == "mimo" else 0
@@ -221,6 +227,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     hasher = get_request_block_hasher(hash_block_size, sha256)
     result = RunResult(engine, kv_gib, num_blocks, requests=len(requests))
     is_mimo = engine == "mimo"
+    # As the plugin's scheduler cuts its steps when memory is short (upstream's are never cut).
+    step_budget = StepBudget(manager.cache, params.step_prefill_floor) if is_mimo and params.step_prefill_floor else None
     peak: dict[str, int] = {}
 
     # Requests not yet sent, by send time; a next turn joins when its previous turn finishes.
@@ -268,8 +276,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         budget = params.token_budget
         chunk_cap = plugin_chunk_cap if len(running) + len(waiting) > 1 else 0
         full_budget = budget
-        if is_mimo and params.step_prefill_floor:  # as the plugin's scheduler cuts its steps
-            budget = call.uncounted("step_token_limit", running, budget, params.step_prefill_floor)
+        if step_budget is not None:
+            budget = call.uncounted(step_budget.token_limit, running, budget)
         limit = budget
         scheduled: dict[str, int] = {}
         preempted = False
@@ -324,8 +332,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 f"{kv_gib} GiB ({num_blocks} blocks) cannot hold request {req.request_id} "
                 f"({req.num_tokens} tokens) even with nothing else running"
             )
-        if is_mimo:
-            manager.record_step(limit, full_budget, sum(scheduled.values()))
+        if step_budget is not None:
+            step_budget.record(limit, full_budget, sum(scheduled.values()))
         held = _held_blocks(manager, is_mimo)
         for pool, blocks_held in held.items():
             peak[pool] = max(peak.get(pool, 0), blocks_held)
@@ -349,6 +357,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 finished += 1
                 for i in next_turns.pop(rid, ()):
                     heapq.heappush(pending, (max(requests[i].arrival_s, now), i))
+        if on_step is not None:
+            on_step()
         if progress and time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()
             print(
@@ -364,7 +374,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         result.pseudo_hit_tokens = m.pseudo_hit_tokens
         assert m.hit_tokens == result.hit_tokens, (m.hit_tokens, result.hit_tokens)
         result.anchors = {"kept": dict(m.anchors_kept), "evicted": dict(m.anchors_evicted)}
-        result.prefill_steps_cut = m.prefill_steps_cut
+        result.prefill_steps_cut = step_budget.steps_cut if step_budget is not None else 0
     result.peak_blocks = peak
     result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
     result.sim_seconds = now
@@ -379,11 +389,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
 def _held_blocks(manager, is_mimo: bool) -> dict[str, int]:
     """Blocks held by running requests (cached-only blocks not counted), per pool."""
     if is_mimo:
-        pools = manager.pools
-        return {
-            "swa": pools.used[0] - manager._swa_retained,
-            "full": pools.used[1] - manager._full_cached_unref,
-        }
+        size = manager.cache.size_info()
+        return {"swa": size.held_swa, "full": size.held_full}
     pool = manager.block_pool
     return {"shared": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}
 

@@ -29,8 +29,10 @@ from pathlib import Path
 
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from eval.workloads import ReplayRequest, tokens
-from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet
-from vllm_mimo.block_manager.manager import HybridKVCacheManager
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.block_manager.anchors import Anchor, AnchorKind
+from vllm_mimo.block_manager.base import CacheObserver
+from vllm_mimo.block_manager.prefix_tree import Node
 
 ENGINES = ("swa-free", "mimo", "clairvoyant-placement", "clairvoyant")
 
@@ -38,77 +40,81 @@ ENGINES = ("swa-free", "mimo", "clairvoyant-placement", "clairvoyant")
 _ALWAYS_PLACED = frozenset({AnchorKind.RESUME, AnchorKind.DECLARED})
 
 
-class FarthestNextUseFirst(AnchorSet):
-    """Anchors in the plugin's tiers, but the victim in each is the one used again last."""
+class Clairvoyance(CacheObserver):
+    """What the whole workload says about anchors, for one replay of the plugin's manager: where
+    some request's ideal hit ends (its junctions), and which request comes to each next. It
+    observes admissions, so the next use of a junction is the next request not admitted yet."""
 
-    def __init__(self, next_use: Callable[[Anchor], float]) -> None:
-        super().__init__()
-        self._next_use = next_use
+    def __init__(self, requests: list[ReplayRequest], ideal: list[int]) -> None:
+        self.requests = requests
+        self.ideal = ideal
+        self.manager: HybridKVCacheManager | None = None
+        # Built when first needed: block hashes need the hash seed the replay sets up.
+        self._uses: dict[object, list[int]] | None = None
+        self._next: dict[object, int] = {}  # per junction: index into its uses not yet admitted
+        self._admitted: set[int] = set()
 
-    def victim(self, include_held: bool = False) -> Anchor | None:
-        for tier in self.tiers(include_held):
-            if tier:
-                return max(tier, key=self._next_use)
-        return None
+    def junction_uses(self) -> dict[object, list[int]]:
+        """Per node key: the requests whose ideal hit ends at that position, in arrival order."""
+        if self._uses is not None:
+            return self._uses
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+
+        from vllm_mimo.compat import Request, get_request_block_hasher
+
+        cache = self.manager.cache
+        hasher = get_request_block_hasher(cache.block_size // cache.hash_stride, sha256)
+        uses: dict[object, list[int]] = {}
+        for i, (request, hit) in enumerate(zip(self.requests, self.ideal)):
+            if hit >= cache.block_size:
+                probe = Request(str(i), tokens(request.prompt), SamplingParams(max_tokens=1), None,
+                                arrival_time=0.0, block_hasher=hasher)
+                end = hit // cache.block_size
+                uses.setdefault(cache.position_hashes(probe, end)[end - 1], []).append(i)
+        self._uses = uses
+        return uses
+
+    def admitted(self, request, hit_tokens: int, path) -> None:
+        if request.num_preemptions == 0:
+            self._admitted.add(int(request.request_id))
+
+    def worth_placing(self, node: Node, kind: AnchorKind) -> bool:
+        """An anchor goes only where a later request's hit ends (or where a request asks)."""
+        return kind in _ALWAYS_PLACED or node.block_hash in self.junction_uses()
+
+    def next_use(self, anchor: Anchor) -> float:
+        """Arrival index of the next request not admitted yet whose hit ends at the anchor; a
+        preempted request's resume anchor first (it comes back first in line)."""
+        if AnchorKind.RESUME in anchor.kinds and not anchor.served:
+            return -1.0
+        key = anchor.node.block_hash
+        uses = self.junction_uses().get(key, ())
+        k = self._next.get(key, 0)
+        while k < len(uses) and uses[k] in self._admitted:
+            k += 1
+        self._next[key] = k
+        return uses[k] if k < len(uses) else math.inf
+
+    def farthest(self, tier: list[Anchor]) -> Anchor:
+        """Belady's rule over anchors: the one used again last."""
+        return max(tier, key=self.next_use)
 
 
-def clairvoyant_manager(
-    requests: list[ReplayRequest], ideal: list[int], evict_farthest: bool
-) -> type[HybridKVCacheManager]:
-    """The plugin's manager with anchors only where some request's ideal hit ends; with
+def clairvoyant_factory(requests: list[ReplayRequest], ideal: list[int], evict_farthest: bool) -> Callable[..., HybridKVCacheManager]:
+    """Builds the plugin's manager with anchors only where some request's ideal hit ends; with
     `evict_farthest`, evicting the anchor whose next such request comes last."""
 
-    class Clairvoyant(HybridKVCacheManager):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            # Built when first needed: block hashes need the hash seed the replay sets up.
-            self._uses: dict[object, list[int]] | None = None
-            self._next: dict[object, int] = {}  # per junction: index into its uses not yet admitted
-            self._admitted: set[int] = set()
-            if evict_farthest:
-                self.anchors = FarthestNextUseFirst(self._next_use)
+    def make(*args, **kwargs) -> HybridKVCacheManager:
+        sight = Clairvoyance(requests, ideal)
+        manager = HybridKVCacheManager(
+            *args, observers=[sight], anchor_filter=sight.worth_placing,
+            anchor_victim=sight.farthest if evict_farthest else None, **kwargs,
+        )
+        sight.manager = manager
+        return manager
 
-        def _junction_uses(self) -> dict[object, list[int]]:
-            """Per block hash: the requests whose ideal hit ends at that block, in arrival order."""
-            if self._uses is not None:
-                return self._uses
-            from vllm.sampling_params import SamplingParams
-            from vllm.utils.hashing import sha256
-
-            from vllm_mimo.compat import Request, get_request_block_hasher
-
-            hasher = get_request_block_hasher(self.block_size // self._hash_stride, sha256)
-            uses: dict[object, list[int]] = {}
-            for i, (request, hit) in enumerate(zip(requests, ideal)):
-                if hit >= self.block_size:
-                    probe = Request(str(i), tokens(request.prompt), SamplingParams(max_tokens=1), None,
-                                    arrival_time=0.0, block_hasher=hasher)
-                    end = hit // self.block_size
-                    uses.setdefault(self._position_hashes(probe, end)[end - 1], []).append(i)
-            self._uses = uses
-            return uses
-
-        def _on_admit(self, request, state, hit_tokens: int) -> None:
-            if request.num_preemptions == 0:
-                self._admitted.add(int(request.request_id))
-            super()._on_admit(request, state, hit_tokens)
-
-        def _add_anchor(self, node, kind: AnchorKind, pinned: bool) -> None:
-            if kind in _ALWAYS_PLACED or node.block_hash in self._junction_uses():
-                super()._add_anchor(node, kind, pinned)
-
-        def _next_use(self, anchor: Anchor) -> float:
-            if AnchorKind.RESUME in anchor.kinds and not anchor.served:
-                return -1.0
-            key = anchor.node.block_hash
-            uses = self._junction_uses().get(key, ())
-            k = self._next.get(key, 0)
-            while k < len(uses) and uses[k] in self._admitted:
-                k += 1
-            self._next[key] = k
-            return uses[k] if k < len(uses) else math.inf
-
-    return Clairvoyant
+    return make
 
 
 def print_table(runs: list[RunResult]) -> None:
@@ -143,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     source_name = str(args.trace) if args.trace else args.workload
     print(f"replay_bound: {source_name}, {len(requests)} requests, layout {args.layout}", file=sys.stderr)
     variants = {
-        "clairvoyant-placement": clairvoyant_manager(requests, ideal, evict_farthest=False),
-        "clairvoyant": clairvoyant_manager(requests, ideal, evict_farthest=True),
+        "clairvoyant-placement": clairvoyant_factory(requests, ideal, evict_farthest=False),
+        "clairvoyant": clairvoyant_factory(requests, ideal, evict_farthest=True),
     }
     runs = []
     for kv_gib in args.kv_gib:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = "swa-free" if name == "swa-free" else "mimo"
             try:
                 run = simulate(engine, args.layout, kv_gib, requests, ideal, params,
-                               progress=not args.quiet, mimo_cls=variants.get(name))
+                               progress=not args.quiet, mimo_factory=variants.get(name))
             except ValueError as e:
                 print(f"error: {name} at {kv_gib} GiB: {e}", file=sys.stderr)
                 return 2

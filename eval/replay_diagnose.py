@@ -3,8 +3,9 @@
     python -m eval.replay_diagnose (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G
         [--seed S] [--scale X] [--max-requests N] [--open-loop] [--json OUT]
 
-Replays like `eval.replay` with the plugin's manager only, observed from a subclass:
-  * mean blocks by use over the run (sampled every 50 manager calls): running requests' Full
+Replays like `eval.replay` with the plugin's manager only, observed through its events and
+its public state:
+  * mean blocks by use over the run (sampled every 10 simulated steps): running requests' Full
     and SWA blocks (the SWA blocks of the tokens scheduled in the latest step counted apart),
     SWA blocks kept only by anchors, unreferenced cached Full blocks, free blocks;
   * pseudo-hit tokens at first admission by cause: the Full path ends at a node a running
@@ -24,56 +25,58 @@ from collections import Counter
 from pathlib import Path
 
 from eval.replay import SimParams, add_source_arguments, ideal_hits, load_source, simulate
-from vllm_mimo.block_manager.manager import HybridKVCacheManager
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.block_manager.base import CacheObserver, EvictionCause
 
-SAMPLE_EVERY = 50
+SAMPLE_EVERY = 10
 
 
-class ObservedManager(HybridKVCacheManager):
-    """The plugin's manager, counting where its blocks are and why hits are lost."""
+class Diagnosis(CacheObserver):
+    """Where the manager's blocks are, and why hits are lost."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, manager: HybridKVCacheManager) -> None:
+        self.cache = manager.cache
         self.block_use: Counter = Counter()
         self.samples = 0
         self.pseudo_causes: Counter = Counter()
         self.anchor_evictions: Counter = Counter()
-        self._calls = 0
-        self._swa_asked: int | None = None  # SWA blocks of the allocation in progress
+        self._steps = 0
+        manager.cache.subscribe(self)
 
-    def allocate_slots(self, request, *args, **kwargs):
-        out = super().allocate_slots(request, *args, **kwargs)
-        self._calls += 1
-        if self._calls % SAMPLE_EVERY == 0:
+    def step(self) -> None:
+        self._steps += 1
+        if self._steps % SAMPLE_EVERY == 0:
             self._sample()
-        return out
 
     def _sample(self) -> None:
         # Shared nodes and shared SWA block tuples are counted once: the uses partition the pool.
+        cache = self.cache
+        geometry = cache.geometry
         held_nodes: set[int] = set()
         window: set[int] = set()
         step: set[int] = set()
         private_full = 0
-        for state in self._requests.values():
+        for state in cache.requests.values():
             held_nodes.update(id(node) for node in state.nodes)
             private_full += max(0, len(state.full) - len(state.nodes))
             live = [ids for ids in state.swa if ids is not None]
             cut = len(live) - min(state.step_blocks, len(live))
             window.update(id(ids) for ids in live[:cut])
             step.update(id(ids) for ids in live[cut:])
+        size = cache.size_info()
         use = self.block_use
-        use["running Full"] += (len(held_nodes) + private_full) * self._n_full
-        use["running SWA (window)"] += len(window - step) * self._n_swa
-        use["running SWA (latest step's tokens)"] += len(step) * self._n_swa
-        use["anchor SWA"] += self._swa_retained
-        use["cached Full"] += self._full_cached_unref
-        use["free"] += self.pools.num_free_total()
+        use["running Full"] += (len(held_nodes) + private_full) * geometry.full_ids_per_position
+        use["running SWA (window)"] += len(window - step) * geometry.swa_ids_per_position
+        use["running SWA (latest step's tokens)"] += len(step) * geometry.swa_ids_per_position
+        use["anchor SWA"] += size.anchor_swa
+        use["cached Full"] += size.cached_full
+        use["free"] += size.free
         self.samples += 1
 
-    def _on_admit(self, request, state, hit_tokens: int) -> None:
-        pseudo = len(state.nodes) * self.block_size - hit_tokens
+    def admitted(self, request, hit_tokens: int, path) -> None:
+        pseudo = len(path) * self.cache.block_size - hit_tokens
         if request.num_preemptions == 0 and pseudo:
-            end = state.nodes[-1]
+            end = path[-1]
             if end.full_refs > 1:  # this request took one reference already
                 cause = "Full path ends at a node a running request holds"
             elif self._anchor_below(end):
@@ -81,7 +84,6 @@ class ObservedManager(HybridKVCacheManager):
             else:
                 cause = "unreferenced Full past every anchor (not yet reclaimed)"
             self.pseudo_causes[cause] += pseudo
-        super()._on_admit(request, state, hit_tokens)
 
     @staticmethod
     def _anchor_below(node) -> bool:
@@ -93,22 +95,14 @@ class ObservedManager(HybridKVCacheManager):
             stack.extend(node.children.values())
         return False
 
-    def _take(self, need_full: int, need_swa: int, evict_held: bool):
-        self._swa_asked = need_swa
-        try:
-            return super()._take(need_full, need_swa, evict_held)
-        finally:
-            self._swa_asked = None
-
-    def _evict_anchor(self, anchor) -> None:
-        if self._swa_asked is None:
+    def anchor_evicted(self, anchor, cause: EvictionCause) -> None:
+        if cause.by_budget:
             trigger = "anchor budget"
-        elif self._swa_asked > self.geometry.swa_blocks_per_request:
+        elif cause.swa_blocks > self.cache.geometry.swa_blocks_per_request:
             trigger = "allocation of more SWA blocks than a window (a prefill)"
         else:
             trigger = "allocation within a window (decode, short prefill)"
         self.anchor_evictions[trigger] += 1
-        super()._evict_anchor(anchor)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,20 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     if requests is None:
         return 2
 
-    managers: list[ObservedManager] = []
+    diagnoses: list[Diagnosis] = []
 
-    class Recorded(ObservedManager):
-        def __init__(self, *a, **k) -> None:
-            super().__init__(*a, **k)
-            managers.append(self)
+    def observed(*a, **k) -> HybridKVCacheManager:
+        manager = HybridKVCacheManager(*a, **k)
+        diagnoses.append(Diagnosis(manager))
+        return manager
 
     params = SimParams(closed_loop=not args.open_loop)
     try:
-        run = simulate("mimo", args.layout, args.kv_gib, requests, ideal_hits(requests), params, mimo_cls=Recorded)
+        run = simulate("mimo", args.layout, args.kv_gib, requests, ideal_hits(requests), params,
+                       mimo_factory=observed, on_step=lambda: diagnoses[0].step())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    m = managers[0]
+    m = diagnoses[0]
     use = {k: round(v / max(m.samples, 1)) for k, v in m.block_use.items()}
     out = {
         "source": str(args.trace) if args.trace else args.workload, "layout": args.layout,

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from types import SimpleNamespace
+
 from tests.kv_helpers import BLOCK, kv_config, make_request
-from vllm_mimo.block_manager.anchors import Anchor, AnchorHintError, AnchorKind, AnchorSet, declared_anchors
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet, AnchorState
+from vllm_mimo.block_manager.base import ANCHOR_BUDGET, CacheObserver
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout
-from vllm_mimo.block_manager.manager import HybridKVCacheManager
+from vllm_mimo.block_manager.placement import AnchorHintError, AnchorPlacement, declared_anchors
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree, window_safe_blocks
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig, MimoConfigError
+from vllm_mimo.engine.step_budget import StepBudget
 
 # ------------------------------------------------------------------------ pools
 
@@ -179,7 +184,7 @@ def test_next_turn_hits_through_the_previous_output():
     turn2 = make_request("t2", first.all_token_ids[:-1] + [8] * 30)
     blocks, hit, _ = m.get_computed_blocks(turn2)
     assert hit == (first.num_tokens - 1) // BLOCK * BLOCK
-    assert m.anchors_of_kind(AnchorKind.OUTPUT_END)
+    assert m.cache.anchors.of_kind(AnchorKind.OUTPUT_END)
 
 
 def test_first_sibling_misses_without_an_anchor_and_the_third_hits_the_branch_point():
@@ -188,7 +193,7 @@ def test_first_sibling_misses_without_an_anchor_and_the_third_hits_the_branch_po
     second = make_request("u2", SYSTEM + [2] * 40)
     assert _run(m, second, output=[6]) == 0
     assert m.metrics.pseudo_hit_tokens == len(SYSTEM)
-    assert m.anchors_of_kind(AnchorKind.BRANCH)
+    assert m.cache.anchors.of_kind(AnchorKind.BRANCH)
     assert _run(m, make_request("u3", SYSTEM + [3] * 40), output=[7]) == len(SYSTEM)
 
 
@@ -196,7 +201,7 @@ def test_declared_anchor_makes_the_first_sibling_hit():
     m = _manager()
     extra = {"mimo": {"anchors": [len(SYSTEM)], "pin": True}}
     _run(m, make_request("u1", SYSTEM + [1] * 40, extra_args=extra), output=[5] * 40)
-    declared = m.anchors_of_kind(AnchorKind.DECLARED)
+    declared = m.cache.anchors.of_kind(AnchorKind.DECLARED)
     assert len(declared) == 1 and declared[0].pinned
     assert _run(m, make_request("u2", SYSTEM + [2] * 40), output=[6]) == len(SYSTEM)
     assert m.metrics.pseudo_hit_tokens == 0
@@ -207,25 +212,25 @@ def test_hot_prefix_anchor_after_enough_distinct_requests_reuse_it():
     _run(m, make_request("u1", SYSTEM + [1] * 40), output=[5])  # computes the prefix
     _run(m, make_request("u2", SYSTEM + [2] * 40), output=[5])  # reuses it: 1
     _run(m, make_request("u3", SYSTEM + [3] * 40), output=[5])  # 2
-    assert not m.anchors_of_kind(AnchorKind.HOT)
+    assert not m.cache.anchors.of_kind(AnchorKind.HOT)
     _run(m, make_request("u4", SYSTEM + [4] * 40), output=[5])  # 3
-    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    (hot,) = m.cache.anchors.of_kind(AnchorKind.HOT)
     assert hot.node.depth + 1 == len(SYSTEM) // BLOCK
     # The branch point u2 made is the same node: one anchor of two kinds, counted under both.
     assert hot.kinds == {AnchorKind.BRANCH, AnchorKind.HOT}
-    assert m.metrics.anchors_kept["hot"] == m.anchors.created[AnchorKind.HOT] == 1
-    assert m.metrics.anchors_kept["branch"] == m.anchors.created[AnchorKind.BRANCH] == 1
+    assert m.metrics.anchors_kept["hot"] == m.cache.placement.created[AnchorKind.HOT] == 1
+    assert m.metrics.anchors_kept["branch"] == m.cache.placement.created[AnchorKind.BRANCH] == 1
 
 
 def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node():
     tree = PrefixTree()
     a, b, c = _chain(tree, 3)
     anchors = AnchorSet()
-    old = Anchor(a, [a], AnchorKind.PROMPT_END, pinned=False, now=1)
-    hot = Anchor(b, [b], AnchorKind.HOT, pinned=False, now=2)
-    grid = Anchor(c, [c], AnchorKind.GRID, pinned=False, now=3)
+    old = Anchor(a, AnchorKind.PROMPT_END, 1)
+    hot = Anchor(b, AnchorKind.HOT, 1)
+    grid = Anchor(c, AnchorKind.GRID, 1)
     for anchor in (old, hot, grid):
-        anchors.add(anchor)
+        anchors.add(anchor, pinned=False)
     assert anchors.victim() is old
     anchors.hold(hot)
     anchors.hold(grid)  # not a hot prefix: a held grid point keeps its place
@@ -234,9 +239,9 @@ def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node(
     assert anchors.victim() is grid
     anchors.remove(grid)
     assert anchors.victim() is None  # a held hot prefix is in use: never a victim
-    anchors.add(grid)
-    anchors.release(hot, now=9)  # the last holder let go: just used
-    assert list(anchors) == [grid, hot] and hot.last_used == 9
+    anchors.add(grid, pinned=False)
+    anchors.release(hot)  # the last holder let go: just used
+    assert list(anchors) == [grid, hot] and hot.state is AnchorState.LRU
     anchors.hold(hot)
     anchors.demote(hot)  # demoted: first to go, held or not
     assert anchors.victim() is hot
@@ -248,13 +253,13 @@ def test_a_demoted_shared_anchor_that_serves_again_is_held_while_its_node_is():
     tree = PrefixTree()
     (node,) = _chain(tree, 1)
     anchors = AnchorSet()
-    tail = Anchor(node, [node], AnchorKind.PROMPT_TAIL, pinned=False, now=1)
-    anchors.add(tail)
+    tail = Anchor(node, AnchorKind.PROMPT_TAIL, 1)
+    anchors.add(tail, pinned=False)
     anchors.demote(tail)
     node.full_refs = 1  # the request admitted with the hit holds the node: a demoted anchor is not held
     anchors.hold(tail)
     assert not anchors.is_held(tail)
-    anchors.record_hit(tail, now=2)
+    anchors.record_hit(tail)
     assert anchors.is_held(tail) and anchors.victim() is None
     anchors.check_integrity()
 
@@ -263,13 +268,13 @@ def test_demoted_anchors_that_never_served_go_before_those_that_did():
     tree = PrefixTree()
     a, b, c, d = _chain(tree, 4)
     anchors = AnchorSet()
-    served = Anchor(a, [a], AnchorKind.PROMPT_TAIL, pinned=False, now=1)
-    idle = Anchor(b, [b], AnchorKind.OUTPUT_END, pinned=False, now=2)
-    recent = Anchor(c, [c], AnchorKind.GRID, pinned=False, now=3)
-    live = Anchor(d, [d], AnchorKind.GRID, pinned=False, now=4)
+    served = Anchor(a, AnchorKind.PROMPT_TAIL, 1)
+    idle = Anchor(b, AnchorKind.OUTPUT_END, 1)
+    recent = Anchor(c, AnchorKind.GRID, 1)
+    live = Anchor(d, AnchorKind.GRID, 1)
     for anchor in (served, idle, recent, live):
-        anchors.add(anchor)
-    anchors.record_hit(served, now=5)
+        anchors.add(anchor, pinned=False)
+    anchors.record_hit(served)
     anchors.demote(idle)
     anchors.demote(served)  # its session moved past it: demoted after the unserved one
     anchors.demote(recent)
@@ -279,7 +284,7 @@ def test_demoted_anchors_that_never_served_go_before_those_that_did():
     assert anchors.num_demoted() == 3
     anchors.remove(recent)
     assert anchors.victim() is idle
-    anchors.record_hit(idle, now=6)  # a hit takes it out of the demoted anchors
+    anchors.record_hit(idle)  # a hit takes it out of the demoted anchors
     assert list(anchors) == [served, live, idle] and anchors.num_demoted() == 1
     anchors.check_integrity()
     assert list(anchors.tiers()) == [[served, live, idle], []]
@@ -303,31 +308,34 @@ def test_where_a_session_went_on_outlives_demoted_anchors_that_never_served():
 def test_an_anchor_evicted_before_it_served_counts_when_a_later_request_passes_its_node():
     tree = PrefixTree()
     a, b, c = _chain(tree, 3)
-    anchors = AnchorSet(ghost_capacity=2)
-    grid = Anchor(a, [a], AnchorKind.GRID, pinned=False, now=1)
-    end = Anchor(b, [b], AnchorKind.OUTPUT_END, pinned=False, now=2)
-    hot = Anchor(c, [c], AnchorKind.HOT, pinned=False, now=3)
-    for anchor in (grid, end, hot):
-        anchors.add(anchor)
-        anchors.remember_evicted(anchor)  # a hot prefix is not speculative: not remembered
-        anchors.remove(anchor)
-    anchors.check_integrity()
-    hashes = [a.block_hash, b.block_hash, c.block_hash]
-    anchors.credit_missed_serve(hashes, 0, 1)  # only up to `a`: the grid point would have served
-    assert anchors.served == {AnchorKind.GRID: 1}
-    anchors.credit_missed_serve(hashes, 0, 3)  # the deepest remembered one counts, once
-    anchors.credit_missed_serve(hashes, 0, 3)
-    assert anchors.served == {AnchorKind.GRID: 1, AnchorKind.OUTPUT_END: 1}
-    served = Anchor(a, [a], AnchorKind.GRID, pinned=False, now=4)
-    anchors.add(served)
-    anchors.record_hit(served, now=5)
-    anchors.remember_evicted(served)  # it served: counted already
-    anchors.remove(served)
-    anchors.credit_missed_serve(hashes, 0, 3)
-    assert anchors.served == {AnchorKind.GRID: 2, AnchorKind.OUTPUT_END: 1}
-    for i, node in enumerate(_chain(tree, 3, prefix="g")):  # the oldest remembered go first
-        anchors.remember_evicted(Anchor(node, [node], AnchorKind.GRID, pinned=False, now=6 + i))
-    anchors.check_integrity()
+    placement = AnchorPlacement(BLOCK, grid_tokens=0, hot_prefix_min_hits=2, ghost_capacity=2)
+    keys = [a.block_hash, b.block_hash, c.block_hash]
+
+    def passes(positions: int) -> None:
+        """A request with no hit whose prompt passes the first `positions` nodes is admitted."""
+        request = SimpleNamespace(request_id="p", num_prompt_tokens=positions * BLOCK + 1,
+                                  num_preemptions=0, sampling_params=None)
+        placement.on_admitted(request, keys, [], hit_tokens=0)
+        placement.on_finished(request, [], 0)
+
+    for node, kind in ((a, AnchorKind.GRID), (b, AnchorKind.OUTPUT_END), (c, AnchorKind.HOT)):
+        placement.anchor_evicted(Anchor(node, kind, 1), ANCHOR_BUDGET)  # a hot prefix is not speculative
+    placement.check_integrity(running=[])
+    passes(1)  # only up to `a`: the grid point would have served
+    assert placement.served == {AnchorKind.GRID: 1}
+    passes(3)  # the deepest remembered one counts, once
+    passes(3)
+    assert placement.served == {AnchorKind.GRID: 1, AnchorKind.OUTPUT_END: 1}
+    served, anchors = Anchor(a, AnchorKind.GRID, 1), AnchorSet()
+    anchors.add(served, pinned=False)
+    placement.on_hit(served, goes_on=False)  # a hit ends at it: learned, then recorded
+    anchors.record_hit(served)
+    placement.anchor_evicted(served, ANCHOR_BUDGET)  # it served: counted already
+    passes(3)
+    assert placement.served == {AnchorKind.GRID: 2, AnchorKind.OUTPUT_END: 1}
+    for node in _chain(tree, 3, prefix="g"):  # the oldest remembered go first
+        placement.anchor_evicted(Anchor(node, AnchorKind.GRID, 1), ANCHOR_BUDGET)
+    placement.check_integrity(running=[])
 
 
 def test_a_next_turn_after_its_sessions_anchor_was_evicted_still_counts_for_the_kind():
@@ -337,20 +345,20 @@ def test_a_next_turn_after_its_sessions_anchor_was_evicted_still_counts_for_the_
     first = [make_request(f"s{i}", [9000 + i] * 60) for i in range(12)]
     for request in first:
         _run(m, request, output=[5] * 30)
-    useful = m.anchors.usefulness(AnchorKind.OUTPUT_END)
-    assert m.metrics.anchors_evicted["output_end"] and not m.anchors.served[AnchorKind.OUTPUT_END]
+    useful = m.cache.placement.usefulness(AnchorKind.OUTPUT_END)
+    assert m.metrics.anchors_evicted["output_end"] and not m.cache.placement.served[AnchorKind.OUTPUT_END]
     # The latest session's output end was demoted at birth (none has served yet) and evicted.
     turn2 = make_request("s11-2", first[-1].all_token_ids[:-1] + [7] * 20)
     assert _run(m, turn2, output=[5]) == 0
-    assert m.anchors.served[AnchorKind.OUTPUT_END] == 1
-    assert m.anchors.usefulness(AnchorKind.OUTPUT_END) > useful
+    assert m.cache.placement.served[AnchorKind.OUTPUT_END] == 1
+    assert m.cache.placement.usefulness(AnchorKind.OUTPUT_END) > useful
 
 
 def test_a_hot_prefix_held_by_a_running_request_outlives_older_anchors():
     m = _manager(hot_prefix_min_hits=2, anchor_budget_fraction=0.05)
     for i in range(3):  # u1 computes the prefix; u2 and u3 reuse it: hot
         _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5])
-    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    (hot,) = m.cache.anchors.of_kind(AnchorKind.HOT)
     holder = make_request("holder", SYSTEM + [9] * (8 * BLOCK))  # its window moves past the prefix
     blocks, hit, _ = m.get_computed_blocks(holder)
     assert hit == len(SYSTEM) and m.allocate_slots(holder, holder.num_tokens - hit, hit, blocks)
@@ -359,11 +367,11 @@ def test_a_hot_prefix_held_by_a_running_request_outlives_older_anchors():
         hints = {"mimo": {"anchors": [3 * BLOCK]}}
         _run(m, make_request(f"s{i}", [9000 + i] * 60, extra_args=hints), output=[5] * 30)
     assert m.metrics.anchors_evicted["declared"] > 0
-    assert hot in m.anchors_of_kind(AnchorKind.HOT)
+    assert hot in m.cache.anchors.of_kind(AnchorKind.HOT)
     holder.status = RequestStatus.FINISHED_STOPPED
     m.free(holder)
     m.check_integrity()
-    assert list(m.anchors)[-1] is hot  # released to the recent end of the order
+    assert list(m.cache.anchors)[-1] is hot  # released to the recent end of the order
     assert _run(m, make_request("late", SYSTEM + [8] * 40), output=[5]) == len(SYSTEM)
 
 
@@ -382,40 +390,40 @@ def test_a_running_prompts_tail_is_held_and_serves_a_request_branching_there_mea
         first.append_output_token_ids(token)
         assert m.allocate_slots(first, 1) is not None
         first.num_computed_tokens += 1
-    (tail,) = m.anchors_of_kind(AnchorKind.PROMPT_TAIL)
-    assert tail.node.depth + 1 == 16 and m.anchors.is_held(tail)
+    (tail,) = m.cache.anchors.of_kind(AnchorKind.PROMPT_TAIL)
+    assert tail.node.depth + 1 == 16 and m.cache.anchors.is_held(tail)
     for i in range(12):  # newer anchors of other sessions overflow the anchor budget
         hints = {"mimo": {"anchors": [3 * BLOCK]}}
         _run(m, make_request(f"s{i}", [9000 + i] * 60, extra_args=hints), output=[5] * 30)
     assert m.metrics.anchors_evicted["declared"] and m.metrics.anchors_evicted["grid"]
-    assert tail in m.anchors_of_kind(AnchorKind.PROMPT_TAIL)
+    assert tail in m.cache.anchors.of_kind(AnchorKind.PROMPT_TAIL)
     assert _run(m, make_request("branch", doc[: 16 * BLOCK] + [2] * 40), output=[5]) == 16 * BLOCK
     first.status = RequestStatus.FINISHED_STOPPED
     m.free(first)
     m.check_integrity()
-    assert not m.anchors.is_held(tail)
+    assert not m.cache.anchors.is_held(tail)
 
 
 def test_an_allocation_fails_rather_than_evict_a_held_hot_prefix():
     m = _manager(num_blocks=120, hot_prefix_min_hits=2)
     for i in range(3):
         _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5])
-    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    (hot,) = m.cache.anchors.of_kind(AnchorKind.HOT)
     holder = make_request("holder", SYSTEM + [9] * (8 * BLOCK))  # its window moves past the prefix
     blocks, hit, _ = m.get_computed_blocks(holder)
     assert m.allocate_slots(holder, holder.num_tokens - hit, hit, blocks)
     holder.status = RequestStatus.RUNNING
     holder.num_computed_tokens = holder.num_tokens
     m.remove_skipped_blocks("holder", holder.num_computed_tokens)
-    held = m._held_anchor_swa_blocks([], 0)
+    held = m.cache.anchors.held_window_nodes() * m.geometry.swa_ids_per_position
     assert held > 0  # the prefix's window is kept by the held anchor alone
     # One block position (1 Full + 2 SWA ids) more than every evictable block but the held
     # window: refused, and the hot prefix survives; with the held window it would have fit.
-    evictable = m.pools.num_free_total() + m._full_cached_unref + m._swa_retained - held
+    evictable = m.cache.pools.num_free_total() + m.cache.size_info().cached_full + m.cache.size_info().anchor_swa - held
     big = make_request("big", list(range(50_000, 50_000 + (evictable // 3 + 1) * BLOCK)))
     assert (evictable // 3 + 1) * 3 <= evictable + held
     assert m.allocate_slots(big, big.num_tokens) is None
-    assert hot in m.anchors_of_kind(AnchorKind.HOT)
+    assert hot in m.cache.anchors.of_kind(AnchorKind.HOT)
     m.check_integrity()
     holder.status = RequestStatus.FINISHED_STOPPED
     m.free(holder)  # released: evictable again, least recently used last
@@ -428,19 +436,19 @@ def test_a_request_running_alone_may_evict_the_hot_prefix_it_holds():
     m = _manager(num_blocks=120, hot_prefix_min_hits=2)
     for i in range(3):
         _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5])
-    (hot,) = m.anchors_of_kind(AnchorKind.HOT)
+    (hot,) = m.cache.anchors.of_kind(AnchorKind.HOT)
     alone = make_request("alone", SYSTEM + [9] * (8 * BLOCK) + list(range(70_000, 70_000 + 60 * BLOCK)))
     blocks, hit, _ = m.get_computed_blocks(alone)
     assert m.allocate_slots(alone, 8 * BLOCK, hit, blocks)
     alone.status = RequestStatus.RUNNING
     alone.num_computed_tokens = hit + 8 * BLOCK
     m.remove_skipped_blocks("alone", alone.num_computed_tokens)
-    assert m.anchors.is_held(hot)
-    held = m._held_anchor_swa_blocks([], 0)
-    evictable = m.pools.num_free_total() + m._full_cached_unref + m._swa_retained - held
+    assert m.cache.anchors.is_held(hot)
+    held = m.cache.anchors.held_window_nodes() * m.geometry.swa_ids_per_position
+    evictable = m.cache.pools.num_free_total() + m.cache.size_info().cached_full + m.cache.size_info().anchor_swa - held
     chunk = (evictable // 3 + 1) * BLOCK  # needs the held window too
     assert m.allocate_slots(alone, chunk) is not None
-    assert hot not in m.anchors_of_kind(AnchorKind.HOT)
+    assert hot not in m.cache.anchors.of_kind(AnchorKind.HOT)
     m.check_integrity()
 
 
@@ -454,8 +462,8 @@ def test_admission_counts_the_hot_prefix_it_will_hold_as_unevictable():
         m = _manager(num_blocks=60, hot_prefix_min_hits=2)
         for i in range(3):
             _run(m, make_request(f"u{i}", SYSTEM + [i + 1] * 40), output=[5] * BLOCK)
-        (hot,) = m.anchors_of_kind(AnchorKind.HOT)
-        assert not m.anchors.is_held(hot)
+        (hot,) = m.cache.anchors.of_kind(AnchorKind.HOT)
+        assert not m.cache.anchors.is_held(hot)
         other = make_request("other", [8] * 4)
         assert m.allocate_slots(other, 4) is not None  # keeps running
         return m, hot
@@ -469,7 +477,7 @@ def test_admission_counts_the_hot_prefix_it_will_hold_as_unevictable():
         if m.allocate_slots(turn, turn.num_tokens - hit, hit, blocks) is None:
             refused += 1
         else:
-            assert m.anchors.is_held(hot)
+            assert m.cache.anchors.is_held(hot)
         m.check_integrity()
     assert refused
 
@@ -478,7 +486,7 @@ def test_prompt_end_anchor_serves_a_retry_of_the_same_prompt():
     m = _manager()
     prompt = SYSTEM + [1] * 40
     _run(m, make_request("r1", prompt), output=[5] * 40)
-    assert m.anchors_of_kind(AnchorKind.PROMPT_END)
+    assert m.cache.anchors.of_kind(AnchorKind.PROMPT_END)
     blocks, hit, _ = m.get_computed_blocks(make_request("r2", prompt))
     assert hit == (len(prompt) - 1) // BLOCK * BLOCK
 
@@ -486,8 +494,8 @@ def test_prompt_end_anchor_serves_a_retry_of_the_same_prompt():
 def test_grid_anchors_every_n_tokens_of_the_prompt():
     m = _manager(grid_anchor_tokens=4 * BLOCK)
     _run(m, make_request("g", SYSTEM + [1] * 40), output=[5])
-    grid = sorted(a.node.depth + 1 for a in m.anchors_of_kind(AnchorKind.GRID))
-    tail = [a.node.depth + 1 for a in m.anchors_of_kind(AnchorKind.PROMPT_TAIL)]
+    grid = sorted(a.node.depth + 1 for a in m.cache.anchors.of_kind(AnchorKind.GRID))
+    tail = [a.node.depth + 1 for a in m.cache.anchors.of_kind(AnchorKind.PROMPT_TAIL)]
     assert grid == [4, 12] and tail == [8]  # 12 is the prompt end, and a grid point
 
 
@@ -495,46 +503,64 @@ def test_a_prompt_end_on_the_grid_stays_a_grid_anchor_when_the_output_moves_on()
     m = _manager(grid_anchor_tokens=4 * BLOCK)
     prompt = list(range(7000, 7000 + 8 * BLOCK)) + [1]  # ends one token past the grid point at 8
     _run(m, make_request("p", prompt), output=[5] * (2 * BLOCK))
-    (end,) = m.anchors_of_kind(AnchorKind.PROMPT_END)
+    (end,) = m.cache.anchors.of_kind(AnchorKind.PROMPT_END)
     assert end.node.depth + 1 == 8
     assert end.kinds == {AnchorKind.PROMPT_END, AnchorKind.GRID}
-    assert end.last_used != float("-inf")  # not demoted behind the output's end
+    assert not end.demoted  # not demoted behind the output's end
     # A sibling branching at the grid point hits all of it.
     assert _run(m, make_request("q", prompt[: 8 * BLOCK] + [2] * 40), output=[5]) == 8 * BLOCK
 
 
 def test_anchor_budget_evicts_least_recently_used_anchors_first():
+    """Over the budget, live anchors go least recently used first, by creation or latest hit:
+    the anchor the session `s0` declared is hit again after `s1` ran, so it outlives s1."""
     m = _manager(anchor_budget_fraction=0.05)  # 19 of 399 blocks: 4 windows of 2 blocks x 2 SWA groups
-    for i in range(12):
-        _run(m, make_request(f"s{i}", [9000 + i] * 60), output=[5] * 30)
-    assert m._swa_retained <= m.anchor_budget_blocks
-    assert sum(m.metrics.anchors_evicted.values()) > 0
+    evicted: list = []
+
+    class Evictions(CacheObserver):
+        def anchor_evicted(self, anchor, cause) -> None:
+            assert cause.by_budget or cause.swa_blocks is not None
+            if AnchorKind.DECLARED in anchor.kinds:
+                evicted.append(anchor.node.block_hash)
+
+    m.cache.subscribe(Evictions())
+    declared = {"mimo": {"anchors": [3 * BLOCK]}}
+    sessions = [make_request(f"s{i}", [9000 + i] * 60, extra_args=declared) for i in range(12)]
+    for i, request in enumerate(sessions):
+        _run(m, request, output=[5] * 30)
+        if i == 1:  # another request on s0's declared prefix: a hit at s0's anchor
+            assert _run(m, make_request("again", [9000] * (3 * BLOCK) + [1] * 20), output=[5]) == 3 * BLOCK
+    assert m.cache.size_info().anchor_swa <= m.cache.anchor_budget_blocks
+    lru = [sessions[i].block_hashes[2] for i in (1, 0, *range(2, 12))]  # each declared at position 3
+    assert len(evicted) >= 4 and evicted == lru[: len(evicted)], evicted
+    assert [a.node.block_hash for a in m.cache.anchors.of_kind(AnchorKind.DECLARED)] == lru[len(evicted) :]
 
 
 def test_step_prefill_estimate_counts_free_unheld_full_and_demoted_windows_only():
     """What a step could prefill without evicting an anchor still in the LRU order."""
     m = _manager()
-    per_block = m._n_full + m._n_swa  # a prefill block takes one block of every group
-    assert m.step_prefill_tokens() == (m.geometry.num_blocks - 1) * BLOCK // per_block
+    budget = StepBudget(m.cache, floor_tokens=512)
+    per_block = m.geometry.full_ids_per_position + m.geometry.swa_ids_per_position  # a prefill position takes a block of every group
+    assert budget.prefill_tokens() == (m.geometry.num_blocks - 1) * BLOCK // per_block
     first = make_request("t1", SYSTEM + [7] * 20)
     _run(m, first, output=[5] * 30)
-    before, demoted = m.step_prefill_tokens(), m.anchors.num_demoted()
-    in_order = next(a for a in m.anchors if a.last_used != float("-inf") and not a.pinned)
-    m.anchors.demote(in_order)
-    assert m.anchors.num_demoted() == demoted + 1
-    window = m._n_swa * m.anchor_window_blocks
-    assert m.step_prefill_tokens() - before == pytest.approx(window * BLOCK / per_block, abs=BLOCK)
+    before, demoted = budget.prefill_tokens(), m.cache.anchors.num_demoted()
+    in_order = next(a for a in m.cache.anchors if a.state is AnchorState.LRU)
+    m.cache.anchors.demote(in_order)
+    assert m.cache.anchors.num_demoted() == demoted + 1
+    window = m.geometry.swa_ids_per_position * m.cache.anchor_window_blocks
+    assert budget.prefill_tokens() - before == pytest.approx(window * BLOCK / per_block, abs=BLOCK)
     # A running request that holds the cached Full blocks takes them out of the estimate.
-    before = m.step_prefill_tokens()
+    before = budget.prefill_tokens()
     second = make_request("t2", SYSTEM + [7] * 20)  # a retry: hits the prompt end
     blocks, hit, _ = m.get_computed_blocks(second)
     assert hit and m.allocate_slots(second, second.num_tokens - hit, hit, blocks) is not None
-    assert m.step_prefill_tokens() < before - hit // BLOCK * m._n_full * BLOCK // per_block
+    assert budget.prefill_tokens() < before - hit // BLOCK * m.geometry.full_ids_per_position * BLOCK // per_block
     # Only a step that was cut and used all of its cut budget counts as held back.
-    m.record_step(limit=600, token_budget=8192, scheduled_tokens=600)
-    m.record_step(limit=600, token_budget=8192, scheduled_tokens=300)
-    m.record_step(limit=8192, token_budget=8192, scheduled_tokens=8192)
-    assert m.metrics.prefill_steps_cut == 1
+    budget.record(limit=600, token_budget=8192, scheduled_tokens=600)
+    budget.record(limit=600, token_budget=8192, scheduled_tokens=300)
+    budget.record(limit=8192, token_budget=8192, scheduled_tokens=8192)
+    assert budget.steps_cut == 1
 
 
 def test_running_request_keeps_only_its_window_of_swa_blocks():
@@ -556,10 +582,10 @@ def test_preempted_request_leaves_a_resume_anchor_and_resumes_from_it():
         req.num_computed_tokens += 1
     m.free(req)  # preemption: the scheduler frees a running request
     m.check_integrity()
-    assert not m.anchors_of_kind(AnchorKind.OUTPUT_END)
-    (resume,) = m.anchors_of_kind(AnchorKind.RESUME)
+    assert not m.cache.anchors.of_kind(AnchorKind.OUTPUT_END)
+    (resume,) = m.cache.anchors.of_kind(AnchorKind.RESUME)
     assert resume.node.depth + 1 == req.num_tokens // BLOCK
-    assert m.pools.used[Pool.SWA] == m._swa_retained
+    assert m.cache.pools.used[Pool.SWA] == m.cache.size_info().anchor_swa
     req.status = RequestStatus.PREEMPTED
     req.num_computed_tokens = 0
     req.num_preemptions += 1
@@ -567,7 +593,7 @@ def test_preempted_request_leaves_a_resume_anchor_and_resumes_from_it():
     assert hit == req.num_tokens // BLOCK * BLOCK  # all its full blocks, window-safe
     assert m.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
     m.check_integrity()
-    assert resume.last_used == float("-inf")  # passed: first to go now
+    assert resume.demoted  # passed: first to go now
     assert m.metrics.preempted_hit_tokens == hit and m.metrics.hit_tokens == 0
 
 
@@ -583,7 +609,7 @@ def test_a_request_preempted_within_its_step_resumes_where_its_computed_tokens_e
     assert m.allocate_slots(req, 6 * BLOCK) is not None  # the second is scheduled, then preempted
     m.free(req)
     m.check_integrity()
-    (resume,) = m.anchors_of_kind(AnchorKind.RESUME)
+    (resume,) = m.cache.anchors.of_kind(AnchorKind.RESUME)
     assert resume.node.depth + 1 == 6
 
 
@@ -593,7 +619,7 @@ def test_allocation_fails_cleanly_when_the_pools_cannot_hold_it():
     blocks, hit, _ = m.get_computed_blocks(req)
     assert m.allocate_slots(req, req.num_tokens, hit, blocks) is None
     m.check_integrity()
-    assert m.pools.used == [0, 0]
+    assert m.cache.pools.used == [0, 0]
 
 
 def test_watermark_and_reserved_blocks_hold_back_admissions_as_upstream():
@@ -603,7 +629,7 @@ def test_watermark_and_reserved_blocks_hold_back_admissions_as_upstream():
         kv_config(40), 4096, BLOCK, BLOCK, max_num_running=4,
         mimo_config=MimoConfig(grid_anchor_tokens=0), watermark=0.75,  # 30 of 40 blocks
     )
-    free = m.pools.num_free(Pool.SWA) + m.pools.num_free(Pool.FULL)  # 39
+    free = m.cache.pools.num_free(Pool.SWA) + m.cache.pools.num_free(Pool.FULL)  # 39
     req = make_request("w", tokens)
     # While others run, a waiting request must leave the watermark free: 12 + 30 > 39.
     assert m.allocate_slots(req, req.num_tokens, has_scheduled_reqs=True) is None
@@ -658,7 +684,7 @@ def test_reset_prefix_cache_empties_the_tree_when_idle():
     m = _manager()
     _run(m, make_request("x", SYSTEM + [1] * 40), output=[5] * 10)
     assert m.reset_prefix_cache()
-    assert not m.tree.nodes and len(m.anchors) == 0 and m.pools.used == [0, 0]
+    assert not m.cache.tree.nodes and len(m.cache.anchors) == 0 and m.cache.pools.used == [0, 0]
 
 
 def test_split_too_small_for_one_window_is_a_startup_error():

@@ -1,20 +1,49 @@
 """Hypothesis drives the hybrid KV manager the way vLLM's scheduler does, with random
 admissions, chunked prefills, decodes, preemptions and finishes over shared prefixes, and
-checks every invariant after every step and every reported hit for window safety."""
+checks every invariant after every step, every reported hit for window safety, and every
+running request's block ids against the tree's nodes.
+
+At scale (for a long fuzzing run, not the suite):
+
+    VLLM_MIMO_STATEFUL_OPS=1000000 .venv/bin/python -m pytest tests/test_block_manager_stateful.py -k at_scale -s
+
+runs the machine until it has made that many manager calls, printing progress and, at the end,
+the count of calls, steps and invariant checks (a violation fails the run with its example).
+"""
 
 from __future__ import annotations
 
+import os
+import time
+
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from tests.kv_helpers import BLOCK, kv_config, make_request
-from vllm_mimo.block_manager.manager import HybridKVCacheManager
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
 
 WINDOW = 40  # 3 blocks of SWA KV before a hit
 PREFIXES = [list(range(k * 1000, k * 1000 + 5 * BLOCK + 7)) for k in range(1, 4)]
+SCALE_ENV = "VLLM_MIMO_STATEFUL_OPS"
+
+
+class Counted:
+    """The manager calls, steps and invariant checks made so far (all machines together)."""
+
+    calls = 0
+    steps = 0
+    checks = 0
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -39,6 +68,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.outputs: dict[str, int] = {}
         self.count = 0
 
+    def call(self, method: str, *args, **kwargs):
+        Counted.calls += 1
+        return getattr(self.m, method)(*args, **kwargs)
+
     @rule(
         prefix=st.sampled_from(range(len(PREFIXES) + 1)),
         suffix=st.integers(0, 3 * BLOCK),
@@ -62,10 +95,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(chunk=st.integers(1, 6 * BLOCK))
     def admit(self, chunk) -> None:
         req = self.waiting[0]
-        blocks, hit, _ = self.m.get_computed_blocks(req)
+        blocks, hit, _ = self.call("get_computed_blocks", req)
         self._check_window_safe(req, blocks, hit)
         n = min(req.num_tokens - hit, chunk)
-        if self.m.allocate_slots(req, n, hit, blocks) is None:
+        if self.call("allocate_slots", req, n, hit, blocks) is None:
             return
         self.waiting.pop(0)
         req.status = RequestStatus.RUNNING
@@ -81,7 +114,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 return self._finish(req)
             req.append_output_token_ids(11 + req.num_output_tokens % 7)
         n = min(req.num_tokens - req.num_computed_tokens, chunk)
-        if self.m.allocate_slots(req, n) is None:
+        if self.call("allocate_slots", req, n) is None:
             self._preempt(self.running[-1])
             return
         req.num_computed_tokens += n
@@ -99,16 +132,51 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.running)
     @rule()
     def reset(self) -> None:
-        assert self.m.reset_prefix_cache()
+        assert self.call("reset_prefix_cache")
 
     @invariant()
     def integrity(self) -> None:
         if hasattr(self, "m"):
+            Counted.steps += 1
+            Counted.checks += 1
             self.m.check_integrity()
+
+    @invariant()
+    def running_requests_hold_the_trees_blocks_or_their_own(self) -> None:
+        """Per position of a running request, in both pools: the tree node's blocks, or blocks
+        no node holds; outside its SWA mask, the null block in every SWA group."""
+        if not hasattr(self, "m"):
+            return
+        Counted.checks += 1
+        geo, tree = self.m.geometry, self.m.cache.tree
+        owner = {}
+        for node in tree.nodes.values():
+            for ids in (node.full_blocks, node.swa_blocks):
+                owner.update((i, node) for i in ids or ())
+        stride = geo.block_size // BLOCK
+        for req in self.running:
+            ids = self.m.get_block_ids(req.request_id)
+            positions = len(ids[geo.full_group_ids[0]]) // geo.blocks_per_position(geo.full_group_ids[0])
+            for pos in range(positions):
+                key = (pos + 1) * stride - 1
+                node = tree.nodes.get(req.block_hashes[key]) if key < len(req.block_hashes) else None
+                for groups, kind in ((geo.full_group_ids, "full"), (geo.swa_group_ids, "swa")):
+                    blocks = tuple(
+                        i for gid in groups for i in ids[gid][pos * geo.blocks_per_position(gid) : (pos + 1) * geo.blocks_per_position(gid)]
+                    )
+                    if kind == "swa" and not any(blocks):
+                        continue  # outside the SWA mask: the null block in every SWA group
+                    assert 0 not in blocks, (req.request_id, pos, kind, blocks)
+                    holders = {owner[i] for i in blocks if i in owner}
+                    if holders:
+                        assert holders == {node} and blocks == getattr(node, f"{kind}_blocks"), (
+                            f"{req.request_id}@{pos} holds {kind} blocks {blocks} of {holders}, "
+                            f"but its position's node is {node}"
+                        )
 
     def _preempt(self, req) -> None:
         self.running.remove(req)
-        self.m.free(req)
+        self.call("free", req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -117,31 +185,58 @@ class ManagerMachine(RuleBasedStateMachine):
     def _finish(self, req) -> None:
         self.running.remove(req)
         req.status = RequestStatus.FINISHED_STOPPED
-        self.m.free(req)
+        self.call("free", req)
         self.finished.append(req)
 
     def _check_window_safe(self, req, blocks, hit: int) -> None:
-        """A reported hit has Full KV for every position and SWA KV for the window before it."""
+        """A reported hit has, at every position, the Full blocks of the tree's node there, and
+        for the window before it the node's SWA blocks; null SWA blocks before that."""
         geo = self.m.geometry
         assert hit % geo.block_size == 0 and hit <= req.num_tokens - 1
         n = hit // geo.block_size
         if n == 0:
             return
         stride = geo.block_size // BLOCK  # hash blocks per position; the last one names the prefix
-        for gid in geo.full_group_ids:
-            k = geo.blocks_per_position(gid)
-            ids = [b.block_id for b in blocks.blocks[gid]]
-            assert len(ids) == n * k and 0 not in ids
-            for i, block_id in enumerate(ids):
-                node = self.m.tree.nodes[req.block_hashes[(i // k + 1) * stride - 1]]
-                assert block_id in node.full_blocks
-        for gid in geo.swa_group_ids:
-            k = geo.blocks_per_position(gid)
-            tail = [b.block_id for b in blocks.blocks[gid]][-min(n, geo.window_blocks) * k :]
-            assert len(blocks.blocks[gid]) == n * k and 0 not in tail
+        nodes = [self.m.cache.tree.nodes[req.block_hashes[(pos + 1) * stride - 1]] for pos in range(n)]
+        window = min(n, geo.window_blocks)
+        for groups, kind in ((geo.full_group_ids, "full"), (geo.swa_group_ids, "swa")):
+            for pos, node in enumerate(nodes):
+                got = tuple(
+                    blocks.blocks[gid][pos * geo.blocks_per_position(gid) + j].block_id
+                    for gid in groups
+                    for j in range(geo.blocks_per_position(gid))
+                )
+                if kind == "full" or pos >= n - window:
+                    assert got == getattr(node, f"{kind}_blocks"), (req.request_id, pos, kind, got, node)
+                else:
+                    assert not any(got), (req.request_id, pos, got)
+        for gid in (*geo.full_group_ids, *geo.swa_group_ids):
+            assert len(blocks.blocks[gid]) == n * geo.blocks_per_position(gid)
 
 
 ManagerMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestManagerStateful = ManagerMachine.TestCase
+
+
+@pytest.mark.skipif(not os.environ.get(SCALE_ENV), reason=f"set {SCALE_ENV}=N for a fuzzing run of N manager calls")
+def test_stateful_at_scale() -> None:
+    target = int(os.environ[SCALE_ENV])
+    start, t0, last = Counted.calls, time.time(), 0.0
+    runs = 0
+    # Each run is a fresh Hypothesis search (random seed) of 200 machines of up to 200 steps.
+    scale = settings(
+        max_examples=200, stateful_step_count=200, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    while Counted.calls - start < target:
+        run_state_machine_as_test(ManagerMachine, settings=scale)
+        runs += 1
+        if time.time() - last > 30:
+            last = time.time()
+            print(f"[stateful] {Counted.calls - start:,} of {target:,} manager calls, "
+                  f"{time.time() - t0:.0f} s", flush=True)
+    print(f"[stateful] done: {Counted.calls - start:,} manager calls, {Counted.steps:,} steps, "
+          f"{Counted.checks:,} invariant checks, 0 violations, in {runs} Hypothesis runs, "
+          f"{time.time() - t0:.0f} s")

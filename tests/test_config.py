@@ -92,7 +92,7 @@ def test_bad_environment_fails_at_vllm_startup(tiny_models, monkeypatch):
 
 def test_hybrid_model_gets_the_plugin_scheduler_unless_one_is_given(tiny_models):
     assert _engine_config(tiny_models["mimo"]).scheduler_config.scheduler_cls == (
-        "vllm_mimo.block_manager.scheduler.MimoScheduler"
+        "vllm_mimo.engine.scheduler.MimoScheduler"
     )
     explicit = "vllm.v1.core.sched.scheduler.Scheduler"
     assert _engine_config(tiny_models["mimo"], scheduler_cls=explicit).scheduler_config.scheduler_cls == explicit

@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import run_engine
 from tests.prompts import corpus_ids
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines: the slow lane (`make check` skips it)
+
 OFF = {"VLLM_MIMO_ENABLE": "0"}
 BLOCK = 128  # vLLM's CPU block size
 FP32 = {"dtype": "float32"}

@@ -8,6 +8,8 @@ import pytest
 from tests.conftest import run_engine
 from tests.prompts import exactness_batches
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines: the slow lane (`make check` skips it)
+
 STARTUP_LINE = "vllm-mimo: hybrid SWA model"
 OFF = {"VLLM_MIMO_ENABLE": "0"}
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from eval import replay, replay_bound, replay_diagnose
+from eval import replay, replay_bound, replay_compare, replay_diagnose
 from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
 from vllm_mimo.block_manager.anchors import AnchorKind
+from vllm_mimo.block_manager.base import CacheObserver
 
 DATA = Path(__file__).with_name("data")
 
@@ -163,19 +164,28 @@ def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):
     requests = make_workload("shared-system-prompt", seed=0)[:80]
     ideal = replay.ideal_hits(requests)
     placed: list[bool] = []
+    make_clairvoyant = replay_bound.clairvoyant_factory(requests, ideal, evict_farthest=True)
 
-    class Checked(replay_bound.clairvoyant_manager(requests, ideal, evict_farthest=True)):
-        def _add_anchor(self, node, kind, pinned):
-            super()._add_anchor(node, kind, pinned)
-            if node.anchor is not None:
-                placed.append(kind is AnchorKind.RESUME or node.block_hash in self._junction_uses())
+    class Checked(CacheObserver):
+        def __init__(self, manager) -> None:
+            self.manager = manager
 
-        def free(self, request):
-            super().free(request)
-            self.check_integrity()
+        def anchor_placed(self, anchor, kind) -> None:
+            placed.append(kind is AnchorKind.RESUME or self.sight.worth_placing(anchor.node, kind))
+
+        def freed(self, request) -> None:
+            self.manager.check_integrity()
+
+    def checked(*args, **kwargs):
+        manager = make_clairvoyant(*args, **kwargs)
+        observer = Checked(manager)
+        observer.sight = replay_bound.Clairvoyance(requests, ideal)
+        observer.sight.manager = manager
+        manager.cache.subscribe(observer)
+        return manager
 
     run = replay.simulate("mimo", "mimo-v2.5-pro", 1.0, requests, ideal, replay.SimParams(),
-                          progress=False, mimo_cls=Checked)
+                          progress=False, mimo_factory=checked)
     assert placed and all(placed)
     assert 0 < run.hit_tokens <= run.ideal_hit_tokens
 
@@ -198,3 +208,23 @@ def test_bound_rejects_bad_input(capsys):
     with pytest.raises(SystemExit):
         replay_bound.main(["--workload", "nope", "--layout", "mimo-v2.5-pro", "--kv-gib", "4"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_compare_finds_the_same_counts_or_names_the_difference(tmp_path, capsys):
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir()
+    after.mkdir()
+    args = ["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro", "--kv-gib", "4", "--quiet",
+            "--engines", "upstream-r0,mimo"]
+    assert replay.main([*args, "--json", str(before / "replay-siblings.json")]) == 0
+    assert replay.main([*args, "--json", str(after / "replay-siblings.json")]) == 0
+    assert replay_compare.main([str(before), str(after)]) == 0
+    assert "2 runs compared: the same counts" in capsys.readouterr().out
+    data = json.loads((after / "replay-siblings.json").read_text())
+    data["runs"][1]["hit_tokens"] -= 16
+    (after / "replay-siblings.json").write_text(json.dumps(data))
+    assert replay_compare.main([str(before), str(after)]) == 1
+    assert "replay-siblings.json mimo 4 GiB: {'hit_tokens': (2032, 2016)}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        replay_compare.main([str(before), str(tmp_path / "nowhere")])
+    assert "nowhere is not a folder" in capsys.readouterr().err

@@ -15,6 +15,8 @@ import requests
 
 from vllm_mimo.testing.server import VllmServer
 
+pytestmark = pytest.mark.engine  # starts real vLLM engines: the slow lane (`make check` skips it)
+
 BLOCK = 128  # vLLM's CPU block size
 PINNED_SYSTEM = "You are the release manager of a large Python project. " * 20
 SHARED_SYSTEM = "You review pull requests for a numerical library, strictly and briefly. " * 18

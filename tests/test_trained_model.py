@@ -8,8 +8,8 @@
 - vLLM's MTP drafter (`speculative_config={"method": "mtp"}`, which runs MTP layer 0) accepts
   exactly the draft tokens the reference's MTP head 1 predicts;
 - the MTP heads predict held-out text (reference forward);
-- a reduced lm-eval run (24 documents per task): plugin on == plugin off, and `vllm serve` with
-  the plugin == plugin off.
+- a reduced lm-eval run (24 documents per task, float32): plugin on == plugin off, and `vllm
+  serve` with the plugin == plugin off.
 
 Run as a script (`python tests/test_trained_model.py < job.json`) it is the vLLM side of these
 checks: prompt log-probs, or greedy outputs with MTP speculative decoding and its counters,
@@ -23,6 +23,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine  # starts real vLLM engines: the slow lane (`make check` skips it)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "checkpoints" / "tiny-mimo-trained"
@@ -169,8 +173,6 @@ def test_heads_predict_held_out_text():
     acc = [h / c for h, c in zip(hits, counts)]
     assert acc[0] > 3 * report["unigram_baseline"]["top1"] and acc[0] > 0.4, acc
     assert acc[1] >= 0.3, acc
-    assert report["heldout"]["mtp_top1"][0] >= 0.3
-    assert report["heldout"]["main_top1"] > 3 * report["unigram_baseline"]["top1"]
 
 
 def test_reference_matches_vllm_float32():
@@ -232,9 +234,13 @@ def test_vllm_mtp_drafts_are_the_reference_mtp_head():
 
 
 def test_reduced_accuracy_plugin_on_equals_off(tmp_path):
+    """Plugin on, offline and behind `vllm serve` (4 requests in flight), scores every document
+    as plugin off does: float32, so a log-likelihood differs only by the order of float
+    operations (~1e-6), and the 1e-3 bound is a thousand times that. In bfloat16 one rounding
+    step is ~4e-3 of a value, and a served run once differed by 0.044 (eval/RESULTS.md)."""
     from eval.accuracy import evaluate, format_table
 
-    report = evaluate(MODEL, tmp_path, ("off", "on", "served"), limit=REDUCED_LIMIT, log=lambda *_: None)
+    report = evaluate(MODEL, tmp_path, ("off", "on", "served"), limit=REDUCED_LIMIT, dtype="float32", log=lambda *_: None)
     print(format_table(report))
     off = report["runs"]["off"]
     assert report["docs"] == {"mimo_next_line_gen": REDUCED_LIMIT, "mimo_next_line_choice": REDUCED_LIMIT}

@@ -78,11 +78,8 @@ class MimoConfig:
         default=0.5,
         metadata=_key(
             "Share of all KV blocks that SWA anchors (windows kept after requests move on) "
-            "may hold; the auto SWA pool is running windows plus this budget. Within it, "
-            "anchors and cached Full blocks are evicted least recently used first (anchors no "
-            "longer needed or seldom reached before the others, pinned anchors and their paths "
-            "last); over it, anchors go in that order. A hot prefix or a prompt tail that "
-            "running requests hold is in use and stays.",
+            "may hold; the auto SWA pool is running windows plus this budget. Over it, anchors "
+            "are evicted, those first to go first (README, Anchors).",
             min=0.0,
             max=0.9,
         ),

@@ -16,8 +16,8 @@ from typing import Any
 from vllm_mimo.config import ENV_PREFIX, MimoConfig, MimoConfigError
 from vllm_mimo.log import logger
 
-SCHEDULER_CLS = "vllm_mimo.block_manager.scheduler.MimoScheduler"
-ASYNC_SCHEDULER_CLS = "vllm_mimo.block_manager.scheduler.MimoAsyncScheduler"
+SCHEDULER_CLS = "vllm_mimo.engine.scheduler.MimoScheduler"
+ASYNC_SCHEDULER_CLS = "vllm_mimo.engine.scheduler.MimoAsyncScheduler"
 
 _registered_in_pid: int | None = None
 
@@ -64,7 +64,7 @@ def _validate_anchor_hints_on_input() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_mimo.block_manager.anchors import declared_anchors
+    from vllm_mimo.block_manager.placement import declared_anchors
 
     validate = InputProcessor._validate_params
     if getattr(validate, "_vllm_mimo_hook", False):
@@ -91,7 +91,7 @@ def configure(vllm_config: Any) -> None:
 
     mark_frontend()
     if config.pin_prompts_file:
-        from vllm_mimo.pinning import read_pin_file
+        from vllm_mimo.engine.pinning import read_pin_file
 
         read_pin_file(config.pin_prompts_file)
         if not vllm_config.cache_config.enable_prefix_caching:
@@ -125,7 +125,7 @@ def configure(vllm_config: Any) -> None:
     )
     if config.prefill_chunk_tokens and not scheduler_config.long_prefill_token_threshold:
         scheduler_config.long_prefill_token_threshold = config.prefill_chunk_tokens
-    from vllm_mimo import chat_anchors
+    from vllm_mimo.engine import chat_anchors
 
     chat_anchors.install(system_anchor=config.system_prompt_anchor)
     logger.debug(

@@ -2,7 +2,8 @@
 
 The manager lives in the engine-core process; `/metrics` is served by the front-end process
 that started it. The engine's scheduler writes a small JSON snapshot (atomically, a few times
-a second and whenever it goes idle) to a file named after the front-end's pid, and:
+a second and whenever it goes idle; `vllm_mimo.engine.publisher`) to a file named after the
+front-end's pid, and:
 
   * `vllm serve`: a Prometheus collector registered in the front-end turns the snapshot into
     `vllm:mimo_*` metrics on `/metrics` (counters also get vLLM's `_total` suffix);
@@ -16,10 +17,7 @@ import glob
 import json
 import os
 import tempfile
-import time
-from typing import Any
 
-_PUBLISH_INTERVAL_S = 0.25
 # Set by the process that builds the engine's config (the front end) and inherited by the
 # engine and API-server processes it starts, so writer and readers agree on the file name.
 FRONTEND_PID_ENV = "_VLLM_MIMO_FRONTEND_PID"
@@ -36,66 +34,6 @@ def mark_frontend() -> None:
 
 def snapshot_path(engine_index: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"vllm-mimo-{frontend_pid()}-engine{engine_index}.json")
-
-
-def manager_snapshot(manager: Any, model_name: str, engine_index: int) -> dict:
-    """Everything `/metrics` shows for one engine, from a `HybridKVCacheManager`."""
-    metrics, pools = manager.metrics, manager.pools
-    return {
-        "model_name": model_name,
-        "engine": engine_index,
-        "time": time.time(),
-        "prompt_tokens": metrics.prompt_tokens,
-        "window_safe_hit_tokens": metrics.hit_tokens,
-        "full_cached_tokens": metrics.full_cached_tokens,
-        "pseudo_hit_tokens": metrics.pseudo_hit_tokens,
-        "recomputed_swa_tokens": metrics.recomputed_swa_tokens,
-        "preempted_hit_tokens": metrics.preempted_hit_tokens,
-        "prefill_steps_cut": metrics.prefill_steps_cut,
-        "anchors_kept": dict(metrics.anchors_kept),
-        "anchors_evicted": dict(metrics.anchors_evicted),
-        "anchors": len(manager.anchors),
-        "anchor_blocks": manager.anchor_blocks,
-        "pools": {
-            pool: {
-                "blocks": pools.home_size[i],
-                "used_blocks": pools.used[i],
-                "peak_blocks": pools.peak_used[i],
-                "borrowed_blocks": pools.borrowed[i],
-                "evicted_blocks": metrics.evicted_blocks[i],
-            }
-            for i, pool in enumerate(("swa", "full"))
-        },
-    }
-
-
-class SnapshotPublisher:
-    """Writes an engine's snapshot for its front-end, at most every 0.25 s unless forced."""
-
-    def __init__(self, engine_index: int) -> None:
-        self.path = snapshot_path(engine_index)
-        self._last = 0.0
-        self._failed = False
-
-    def publish(self, snapshot_fn, force: bool = False) -> None:
-        now = time.monotonic()
-        if self._failed or (not force and now - self._last < _PUBLISH_INTERVAL_S):
-            return
-        self._last = now
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(snapshot_fn(), f)
-            os.replace(tmp, self.path)
-        except OSError as e:  # metrics must never take the engine down
-            self._failed = True
-            from vllm_mimo.log import logger
-
-            logger.warning("vllm-mimo: cannot write KV manager metrics to %s (%s); metrics are off", self.path, e)
-
-    def remove(self) -> None:
-        if os.path.exists(self.path):
-            os.remove(self.path)
 
 
 def read_snapshots() -> list[dict]:

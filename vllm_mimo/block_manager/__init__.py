@@ -1,1 +1,3 @@
-"""KV cache management for hybrid SWA models: the scheduler hook (and, next, pools, prefix tree, KV manager)."""
+"""The KV cache for hybrid SWA models, as a library: its contract (`base`), pools, the prefix
+tree, anchor placement and eviction order, and the vLLM-facing adapter. It imports nothing of
+the plugin outside itself but `config` and `compat`."""

@@ -1,32 +1,27 @@
-"""SWA anchors: positions whose preceding window of SWA KV is kept after requests move on.
+"""SWA anchors and the state machine that orders them for eviction.
 
-An anchor ends at a tree node (a block boundary). It covers that node and the ancestors a hit
-there needs (`window_blocks` nodes); while it lives, their SWA blocks are not freed. Anchors
-are evicted demoted ones first (see `AnchorSet`), then least recently used first, pinned
-anchors last, whenever the SWA KV they retain exceeds the anchor budget or the SWA pool needs
-the blocks.
+An anchor ends at a tree node (a position boundary). It covers that node and the ancestors a
+hit there needs (its `window`, counted in each node's `anchor_refs`); while it lives, their SWA
+blocks are not freed. Where anchors are placed is the anchor policy's business
+(`placement.py`); `AnchorSet` applies its decisions. When anchors go is the cache's eviction
+order (`base.KVCache.evict`), whose anchor part is the order of `AnchorState`.
 
-A shared anchor whose node running requests hold is in use, as a block held by a running
-request is in use for vLLM's LRU: it is not evicted at all while held, and goes back to the
-recent end of the order when the last holder lets go. Its Full KV stays resident for the
-holders anyway, so evicting it would free only its SWA window, and the next request to reach it
-would recompute the whole shared prefix. When nothing else can be evicted an allocation fails
-instead, and the scheduler waits or preempts, as it does when upstream's pool is full of blocks
-running requests hold. Two kinds are shared: a hot prefix (another session on the same system
-prompt), and a prompt tail, the last grid point of a running request's prompt, where a request
-that shares the long prompt branches off while the first still runs (a next turn sent at its
-timestamp, a second question on the same document). A prompt tail demoted for being seldom
-useful is not held. Other kinds are not held: a session holds every grid and branch point of
-its own past turns, and keeping all of those for as long as it runs costs more hits than it
-saves (measured in eval/RESULTS.md).
+Why a shared anchor is held: a block a running request holds is in use for vLLM's LRU, and so
+is an anchor whose node a running request holds, where other requests come to it while that
+one runs (another session on a hot system prompt; a second question on a long prompt, which
+branches off at that prompt's last grid point). Its Full KV stays resident for the holders
+anyway, so evicting it would free only its SWA window, and the next request to reach it would
+recompute the whole shared prefix. Other kinds are not held: a session holds every grid and
+branch point of its own past turns, and keeping all of those for as long as it runs costs more
+hits than it saves (measured in eval/RESULTS.md).
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
-from enum import Enum
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum, IntEnum
 
 from vllm_mimo.block_manager.prefix_tree import Node
 
@@ -43,7 +38,7 @@ class AnchorKind(str, Enum):
 
 
 SHARED_KINDS = frozenset({AnchorKind.HOT, AnchorKind.PROMPT_TAIL})
-"""Prefixes that other requests reach while one runs: in use while a running request holds the
+"""Prefixes that other requests reach while one runs: held while a running request holds the
 node."""
 
 SPECULATIVE_KINDS = frozenset(
@@ -55,240 +50,312 @@ PASSED_KINDS = SPECULATIVE_KINDS | {AnchorKind.RESUME}
 """Anchors that have done their job once the request continuing from them moves on."""
 
 
+@dataclass(frozen=True)
+class AnchorDecision:
+    """An anchor policy's decision (`base.AnchorPolicy`): place an anchor of `kind` at `node`
+    (or add the kind to the anchor there; `pinned` pins it), or, with `demote`, demote the
+    anchor at `node`."""
+
+    node: Node
+    kind: AnchorKind | None = None
+    pinned: bool = False
+    demote: bool = False
+
+
+class AnchorState(IntEnum):
+    """Where a live anchor stands. Each state has one queue, oldest first.
+
+    DEMOTED_UNSERVED, DEMOTED_SERVED: no longer needed (a session went on from it) or of a kind
+        that seldom serves, and it never served a hit / it did (a junction requests came back
+        to, where another may fork). The latest demoted is at the front.
+    LRU: live, least recently used first (created, hit or released by its last holder).
+    PINNED: pinned (declared with `pin`, or a prompt pinned at startup); a demoted pinned
+        anchor goes to the front of this queue.
+    HELD: a shared anchor whose node a running request holds (see the module docstring).
+    """
+
+    DEMOTED_UNSERVED = 0
+    DEMOTED_SERVED = 1
+    LRU = 2
+    PINNED = 3
+    HELD = 4
+
+
+EVICTION_ORDER = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED, AnchorState.LRU, AnchorState.PINNED)
+"""The anchor part of the cache's eviction order (`base.KVCache.evict`)."""
+
+_DEMOTED = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED)
+
+
 class Anchor:
-    """An anchor ending at `node`; `window` are the nodes whose SWA KV it keeps."""
+    """An anchor of `kind` ending at `node`, covering the `window_blocks` nodes up to it."""
 
-    __slots__ = ("node", "window", "kinds", "pinned", "last_used", "served")
+    __slots__ = ("node", "window", "kinds", "state", "served")
 
-    def __init__(
-        self, node: Node, window: list[Node], kind: AnchorKind, pinned: bool, now: float
-    ) -> None:
+    def __init__(self, node: Node, kind: AnchorKind, window_blocks: int) -> None:
         self.node = node
-        self.window = window
+        self.window: list[Node] = []
+        covered = node
+        while covered.depth >= 0 and len(self.window) < window_blocks:
+            covered.anchor_refs += 1
+            self.window.append(covered)
+            covered = covered.parent
+        node.anchor = self
         self.kinds = {kind}
-        self.pinned = pinned
-        self.last_used = now  # creation or the latest hit that ended at it
+        self.state = AnchorState.LRU  # set by AnchorSet.add
         self.served = False  # whether a hit has ended at it
+
+    def uncover(self) -> list[Node]:
+        """The anchor goes: its node and window are no longer its; returns the window (the
+        tree frees the SWA blocks nothing keeps, `PrefixTree.drop_window`)."""
+        self.node.anchor = None
+        for covered in self.window:
+            covered.anchor_refs -= 1
+        return self.window
+
+    @property
+    def pinned(self) -> bool:
+        return self.state is AnchorState.PINNED
+
+    @property
+    def demoted(self) -> bool:
+        return self.state in _DEMOTED
 
     def __repr__(self) -> str:
         kinds = ",".join(sorted(k.value for k in self.kinds))
-        return f"Anchor(depth={self.node.depth}, {kinds}{', pinned' if self.pinned else ''})"
+        return f"Anchor(depth={self.node.depth}, {kinds}, {self.state.name})"
 
 
 class AnchorSet:
-    """Live anchors in eviction order: demoted anchors first, then the others least recently
-    used first, pinned anchors after all of them; shared anchors held by running requests are
-    kept apart and never evicted.
+    """Live anchors, one queue per `AnchorState`. Transitions:
 
-    Demoted anchors (no longer needed, or of a kind that seldom serves) leave the latest
-    demoted first, and those that never served a hit before those that did: a served anchor
-    marks a junction requests did come back to, so another may fork there.
+        add        -> LRU, or PINNED
+        touch      DEMOTED_* -> LRU (then HELD if `hold` would take it); others: to the back
+        demote     LRU, HELD, DEMOTED_* -> the front of DEMOTED_SERVED or DEMOTED_UNSERVED;
+                   PINNED -> the front of PINNED
+        hold       LRU -> HELD, for a shared kind; others stay
+        release    HELD -> LRU
+        pin        any -> PINNED
+        remove     any -> gone
 
-    It also learns, per kind, the share of speculative anchors that serve a hit (`usefulness`).
-    An anchor demoted for a low share goes first and is often evicted before its request
-    comes, which would keep the share low however useful the kind is. So the block hashes of
-    the latest `ghost_capacity` speculative anchors evicted before serving are remembered, and
-    a later request whose prompt passes one of them past its hit counts as the serve it missed.
-    """
+    `apply` carries out an anchor policy's decisions: an anchor covers `window_blocks`
+    positions (0: no anchors are placed), a new one starts demoted where `starts_demoted` says
+    so (the policy's rule), and `placed` / `demoted` are told of each anchor placed (or given a
+    new kind) and demoted. `victim_in_tier`: a measuring tool's choice of victim among a tier's
+    anchors (see `tiers`), in place of the queue order; never used when serving."""
 
-    def __init__(self, ghost_capacity: int = 0) -> None:
-        # Unpinned anchors, in three queues evicted in this order.
-        self._demoted_unserved: OrderedDict[int, Anchor] = OrderedDict()
-        self._demoted_served: OrderedDict[int, Anchor] = OrderedDict()
-        self._unpinned: OrderedDict[int, Anchor] = OrderedDict()  # not demoted, LRU first
-        self._held: OrderedDict[int, Anchor] = OrderedDict()
-        self._pinned: OrderedDict[int, Anchor] = OrderedDict()
+    def __init__(
+        self,
+        window_blocks: int = 1,
+        starts_demoted: Callable[[AnchorKind], bool] = lambda kind: False,
+        placed: Callable[[Anchor, AnchorKind], None] = lambda anchor, kind: None,
+        demoted: Callable[[Anchor], None] = lambda anchor: None,
+        victim_in_tier: Callable[[list[Anchor]], Anchor] | None = None,
+    ) -> None:
+        self.window_blocks = window_blocks
+        self._starts_demoted = starts_demoted
+        self._placed = placed
+        self._demoted = demoted
+        self._queues: dict[AnchorState, OrderedDict[int, Anchor]] = {state: OrderedDict() for state in AnchorState}
         self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
-        self.created: Counter[AnchorKind] = Counter()
-        self.served: Counter[AnchorKind] = Counter()
-        self.ghost_capacity = ghost_capacity
-        # Block hash of the node of a speculative anchor evicted before it served -> its kinds.
-        self._ghosts: OrderedDict[Any, frozenset[AnchorKind]] = OrderedDict()
-
-    def usefulness(self, kind: AnchorKind) -> float:
-        """Share of this kind's anchors that served a hit so far, or would have had they not
-        been evicted (1/2 before any evidence)."""
-        return (self.served[kind] + 1) / (self.created[kind] + 2)
-
-    def remember_evicted(self, anchor: Anchor) -> None:
-        """`anchor` is being evicted: if it is speculative and never served, remember where."""
-        kinds = anchor.kinds & SPECULATIVE_KINDS
-        if kinds and not anchor.served and self.ghost_capacity:
-            key = anchor.node.block_hash
-            self._ghosts[key] = frozenset(kinds)
-            self._ghosts.move_to_end(key)
-            if len(self._ghosts) > self.ghost_capacity:
-                self._ghosts.popitem(last=False)
-
-    def credit_missed_serve(self, block_hashes: Sequence[Any], start: int, end: int) -> None:
-        """A new request could hit up to block `end` but hits only `start` blocks: the deepest
-        remembered evicted anchor in between would have served it."""
-        if not self._ghosts:
-            return
-        for pos in range(end - 1, start - 1, -1):
-            kinds = self._ghosts.pop(block_hashes[pos], None)
-            if kinds is not None:
-                self.served.update(kinds)
-                return
-
-    def record_hit(self, anchor: Anchor, now: float) -> None:
-        """A hit ended at `anchor`."""
-        if not anchor.served:
-            anchor.served = True
-            self.served.update(anchor.kinds)
-        self.touch(anchor, now)
+        self._victim_in_tier = victim_in_tier
 
     def __len__(self) -> int:
-        return sum(len(queue) for queue in self._queues())
+        return sum(map(len, self._queues.values()))
 
     def __iter__(self) -> Iterator[Anchor]:
         """Every live anchor: the evictable ones in eviction order, then the held ones."""
-        for queue in self._queues():
-            yield from queue.values()
+        for state in (*EVICTION_ORDER, AnchorState.HELD):
+            yield from self._queues[state].values()
 
-    def _queues(self) -> tuple[OrderedDict[int, Anchor], ...]:
-        return self._demoted_unserved, self._demoted_served, self._unpinned, self._pinned, self._held
+    def _move(self, anchor: Anchor, state: AnchorState, front: bool = False) -> None:
+        self._queues[anchor.state].pop(id(anchor))
+        queue = self._queues[state]
+        queue[id(anchor)] = anchor
+        if front:
+            queue.move_to_end(id(anchor), last=False)
+        anchor.state = state
 
-    def _queue(self, anchor: Anchor) -> OrderedDict[int, Anchor]:
-        for queue in self._queues():
-            if id(anchor) in queue:
-                return queue
-        raise KeyError(f"{anchor} is not a live anchor")
-
-    def add(self, anchor: Anchor) -> None:
-        (self._pinned if anchor.pinned else self._unpinned)[id(anchor)] = anchor
-        self.created.update(anchor.kinds)
+    def add(self, anchor: Anchor, pinned: bool) -> None:
+        anchor.state = AnchorState.PINNED if pinned else AnchorState.LRU
+        self._queues[anchor.state][id(anchor)] = anchor
         if anchor.kinds & SHARED_KINDS:
             self._shared[id(anchor)] = anchor
 
     def add_kind(self, anchor: Anchor, kind: AnchorKind) -> None:
         """A live anchor is now also of `kind`."""
         anchor.kinds.add(kind)
-        self.created[kind] += 1
         if kind in SHARED_KINDS:
             self._shared[id(anchor)] = anchor
 
     def remove(self, anchor: Anchor) -> None:
-        self._queue(anchor).pop(id(anchor))
+        self._queues[anchor.state].pop(id(anchor))
         self._shared.pop(id(anchor), None)
 
-    def touch(self, anchor: Anchor, now: float) -> None:
-        """Mark as just used: last in its eviction order (no longer demoted, so in use again if
+    def touch(self, anchor: Anchor) -> None:
+        """Just used: to the back of its queue; a demoted anchor is live again (and in use, if
         it is shared and a running request holds its node)."""
-        queue = self._queue(anchor)
-        anchor.last_used = now
-        if queue is self._demoted_unserved or queue is self._demoted_served:
-            self._unpinned[id(anchor)] = queue.pop(id(anchor))
+        if anchor.demoted:
+            self._move(anchor, AnchorState.LRU)
             if anchor.node.full_refs:
                 self.hold(anchor)
         else:
-            queue.move_to_end(id(anchor))
+            self._queues[anchor.state].move_to_end(id(anchor))
+
+    def record_hit(self, anchor: Anchor) -> None:
+        """A hit ended at `anchor`."""
+        anchor.served = True
+        self.touch(anchor)
 
     def demote(self, anchor: Anchor) -> None:
-        """Mark as no longer needed: first in its eviction order."""
-        anchor.last_used = float("-inf")
+        """No longer needed: first in its part of the eviction order."""
         if anchor.pinned:
-            self._pinned.move_to_end(id(anchor), last=False)
-            return
-        demoted = self._demoted_served if anchor.served else self._demoted_unserved
-        demoted[id(anchor)] = self._queue(anchor).pop(id(anchor))
-        demoted.move_to_end(id(anchor), last=False)
+            self._queues[AnchorState.PINNED].move_to_end(id(anchor), last=False)
+        else:
+            self._move(anchor, AnchorState.DEMOTED_SERVED if anchor.served else AnchorState.DEMOTED_UNSERVED, front=True)
 
     def holdable(self, anchor: Anchor) -> bool:
-        """Whether `hold` would take the anchor out of the eviction order: an unpinned shared
-        anchor not demoted (held ones included)."""
-        return bool(anchor.kinds & SHARED_KINDS) and not anchor.pinned and anchor.last_used != float("-inf")
+        """Whether `hold` would take the anchor out of the eviction order: a shared anchor that
+        is live (LRU) or held already."""
+        return anchor.state in (AnchorState.LRU, AnchorState.HELD) and bool(anchor.kinds & SHARED_KINDS)
 
     def hold(self, anchor: Anchor) -> None:
         """A running request now holds the anchor's node: a shared anchor is in use."""
-        if id(anchor) in self._unpinned and self.holdable(anchor):
-            self._held[id(anchor)] = self._unpinned.pop(id(anchor))
+        if anchor.state is AnchorState.LRU and anchor.kinds & SHARED_KINDS:
+            self._move(anchor, AnchorState.HELD)
 
-    def release(self, anchor: Anchor, now: float) -> None:
+    def hold_nodes(self, nodes: Iterable[Node]) -> None:
+        """Running requests now hold these anchored nodes."""
+        for node in nodes:
+            self.hold(node.anchor)
+
+    def release_nodes(self, nodes: Iterable[Node]) -> None:
+        """No running request holds these anchored nodes any more."""
+        for node in nodes:
+            self.release(node.anchor)
+
+    def release(self, anchor: Anchor) -> None:
         """No running request holds the anchor's node any more: just used."""
-        if id(anchor) in self._held:
-            self._unpinned[id(anchor)] = self._held.pop(id(anchor))
-            anchor.last_used = now
+        if anchor.state is AnchorState.HELD:
+            self._move(anchor, AnchorState.LRU)
 
     def pin(self, anchor: Anchor) -> None:
         if not anchor.pinned:
-            self._queue(anchor).pop(id(anchor))
-            anchor.pinned = True
-            self._pinned[id(anchor)] = anchor
+            self._move(anchor, AnchorState.PINNED)
 
-    def check_integrity(self) -> None:
-        for anchor in self._held.values():
-            assert not anchor.pinned and anchor.kinds & SHARED_KINDS, anchor
-            assert anchor.node.full_refs > 0, f"{anchor} is held but no running request holds its node"
-            assert anchor.last_used != float("-inf"), f"{anchor} is held but demoted"
-        for queue, served in ((self._demoted_unserved, False), (self._demoted_served, True)):
-            for anchor in queue.values():
-                assert not anchor.pinned and anchor.last_used == float("-inf"), f"{anchor} is not demoted"
-                assert anchor.served == served, f"{anchor} is in the wrong demoted queue"
-        for anchor in self._unpinned.values():
-            assert not anchor.pinned, anchor
-            assert anchor.last_used != float("-inf"), f"{anchor} is demoted but not in a demoted queue"
-            held = anchor.kinds & SHARED_KINDS and anchor.node.full_refs > 0
-            assert not held, f"{anchor} is in use but not held"
-        assert all(anchor.pinned for anchor in self._pinned.values())
-        shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}
-        assert shared == set(self._shared), "the shared-kind index disagrees with the live anchors"
-        assert len(self._ghosts) <= self.ghost_capacity, "more evicted anchors remembered than allowed"
+    def apply(self, decisions: Iterable[AnchorDecision]) -> None:
+        """Carry out an anchor policy's decisions, in order: place an anchor (or add a kind to
+        the one there, pin it, and count it as just used), or demote one."""
+        for decision in decisions:
+            if decision.demote:
+                if decision.node.anchor is not None:
+                    self._demote(decision.node.anchor)
+            elif self.window_blocks:
+                self._place(decision.node, decision.kind, decision.pinned)  # type: ignore[arg-type]
+
+    def _place(self, node: Node, kind: AnchorKind, pinned: bool) -> None:
+        anchor = node.anchor
+        if anchor is not None:
+            if kind not in anchor.kinds:
+                self.add_kind(anchor, kind)
+                self._placed(anchor, kind)
+            if pinned:
+                self.pin(anchor)
+            self.touch(anchor)
+        else:
+            anchor = Anchor(node, kind, self.window_blocks)
+            self.add(anchor, pinned)
+            self._placed(anchor, kind)
+            if self._starts_demoted(kind):
+                self._demote(anchor)
+                return
+        if node.full_refs:
+            self.hold(anchor)
+
+    def _demote(self, anchor: Anchor) -> None:
+        self.demote(anchor)
+        self._demoted(anchor)
 
     def tiers(self, include_held: bool = False) -> Iterator[list[Anchor]]:
         """The evictable anchors in tiers, each in eviction order: unpinned (demoted ones
         first), pinned, then held ones if `include_held`. Victims come from the first tier
         that is not empty."""
-        yield [anchor for queue in self._queues()[:3] for anchor in queue.values()]
-        yield list(self._pinned.values())
+        yield [anchor for state in (*_DEMOTED, AnchorState.LRU) for anchor in self._queues[state].values()]
+        yield list(self._queues[AnchorState.PINNED].values())
         if include_held:
-            yield list(self._held.values())
+            yield list(self._queues[AnchorState.HELD].values())
 
     def victim(self, include_held: bool = False) -> Anchor | None:
-        """The anchor to evict next: unpinned, then pinned, then held ones if `include_held`
-        (for a request with nobody else running); None if none is left."""
-        for queue in self._queues()[: 5 if include_held else 4]:
+        """The anchor to evict next, in `EVICTION_ORDER`, then held ones if `include_held` (for
+        a request with nobody else running); None if none is left."""
+        if self._victim_in_tier is not None:
+            for tier in self.tiers(include_held):
+                if tier:
+                    return self._victim_in_tier(tier)
+            return None
+        for state in EVICTION_ORDER:
+            queue = self._queues[state]
             if queue:
                 return next(iter(queue.values()))
+        held = self._queues[AnchorState.HELD]
+        if include_held and held:
+            return next(iter(held.values()))
         return None
 
     def num_demoted(self) -> int:
-        """Demoted anchors that are not pinned: they lead the eviction order."""
-        return len(self._demoted_unserved) + len(self._demoted_served)
+        """Unpinned demoted anchors: they lead the eviction order."""
+        queues = self._queues
+        return len(queues[AnchorState.DEMOTED_UNSERVED]) + len(queues[AnchorState.DEMOTED_SERVED])
 
     def is_held(self, anchor: Anchor) -> bool:
-        return id(anchor) in self._held
+        return anchor.state is AnchorState.HELD
 
     def shared(self) -> Iterator[Anchor]:
         """Live shared anchors, held or not: the only ones that can be held."""
         return iter(self._shared.values())
 
+    def held_window_nodes(self, hit_path: Sequence[Node] = (), hit: int = 0, window_blocks: int = 0) -> int:
+        """Nodes whose SWA blocks only held shared anchors keep (not evictable while held),
+        outside the `window_blocks` before the hit of a request admitted with `hit_path` (a
+        hit of `hit` positions), which it adopts; admitting it holds the shared anchors on its
+        path too."""
+        held = [
+            anchor
+            for anchor in self._shared.values()
+            if anchor.state is AnchorState.HELD
+            or (  # admitting the request takes the first reference on its node: held then
+                anchor.node.full_refs == 0
+                and anchor.node.depth < len(hit_path)
+                and hit_path[anchor.node.depth] is anchor.node
+                and self.holdable(anchor)
+            )
+        ]
+        if not held:
+            return 0
+        adopted = {id(node) for node in hit_path[max(0, hit - window_blocks) : hit]}
+        covered = {
+            id(node)
+            for anchor in held
+            for node in anchor.window
+            if node.swa_refs == 0 and node.swa_blocks is not None and id(node) not in adopted
+        }
+        return len(covered)
 
-class AnchorHintError(ValueError):
-    """A request's `extra_args["mimo"]` anchor hints are malformed."""
+    def of_kind(self, kind: AnchorKind) -> list[Anchor]:
+        """Live anchors that include `kind`."""
+        return [anchor for anchor in self if kind in anchor.kinds]
 
+    def check_integrity(self) -> None:
+        for state, queue in self._queues.items():
+            for anchor in queue.values():
+                assert anchor.state is state, f"{anchor} is in the {state.name} queue"
+                held = bool(anchor.kinds & SHARED_KINDS) and anchor.node.full_refs > 0
+                if state is AnchorState.HELD:
+                    assert held, f"{anchor} is held, but it is not shared or no running request holds its node"
+                elif state is AnchorState.LRU:
+                    assert not held, f"{anchor} is in use but not held"
+                elif state in _DEMOTED:
+                    assert anchor.served == (state is AnchorState.DEMOTED_SERVED), f"{anchor} is in the wrong demoted queue"
+        shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}
+        assert shared == set(self._shared), "the shared-kind index disagrees with the live anchors"
 
-def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
-    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]`, validated."""
-    hints = (extra_args or {}).get("mimo")
-    if hints is None:
-        return [], False
-    if not isinstance(hints, dict):
-        raise AnchorHintError(f'extra_args["mimo"] must be an object, got {hints!r}')
-    unknown = set(hints) - {"anchors", "pin"}
-    if unknown:
-        raise AnchorHintError(
-            f'unknown keys {sorted(unknown)} in extra_args["mimo"]; allowed: anchors, pin'
-        )
-    positions = hints.get("anchors", [])
-    pin = hints.get("pin", False)
-    if not isinstance(positions, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in positions
-    ):
-        raise AnchorHintError(
-            f'extra_args["mimo"]["anchors"] must be a list of positive token positions, '
-            f"got {positions!r}"
-        )
-    if not isinstance(pin, bool):
-        raise AnchorHintError(f'extra_args["mimo"]["pin"] must be true or false, got {pin!r}')
-    return positions, pin

@@ -1,13 +1,22 @@
-"""Counters the hybrid KV manager keeps (token counts are for first admissions only)."""
+"""Counters the hybrid KV cache's events add up to (token counts are for first admissions only)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm_mimo.block_manager.anchors import Anchor, AnchorKind
+from vllm_mimo.block_manager.base import CacheObserver, EvictionCause
+from vllm_mimo.block_manager.pools import Pool
+from vllm_mimo.block_manager.prefix_tree import Node
 
 
 @dataclass
-class KVManagerMetrics:
+class KVManagerMetrics(CacheObserver):
+    block_size: int = 0
+    """Tokens per position (set by the cache that this observes)."""
     prompt_tokens: int = 0
     """Prompt tokens of admitted requests."""
     hit_tokens: int = 0
@@ -24,15 +33,34 @@ class KVManagerMetrics:
     anchors_kept: Counter = field(default_factory=Counter)
     """Anchors created, by kind."""
     anchors_evicted: Counter = field(default_factory=Counter)
-    """Anchors evicted (budget or SWA pool pressure), by kind."""
-    prefill_steps_cut: int = 0
-    """Steps that scheduled all of a token budget cut to what the pools hold (so the cut held
-    prefill back; `step_prefill_floor_tokens`)."""
+    """Anchors evicted (budget or pool pressure), by kind."""
     evicted_blocks: list[int] = field(default_factory=lambda: [0, 0])
     """Cached blocks evicted, per pool (SWA, Full)."""
 
+    def admitted(self, request: Any, hit_tokens: int, path: Sequence[Node]) -> None:
+        if request.num_preemptions:
+            self.preempted_hit_tokens += hit_tokens
+            return
+        full_tokens = len(path) * self.block_size
+        self.prompt_tokens += request.num_prompt_tokens
+        self.hit_tokens += hit_tokens
+        self.full_cached_tokens += full_tokens
+        self.pseudo_hit_tokens += full_tokens - hit_tokens
+        self.recomputed_swa_tokens += full_tokens - hit_tokens
+
+    def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
+        self.anchors_kept[kind.value] += 1
+
+    def anchor_evicted(self, anchor: Anchor, cause: EvictionCause) -> None:
+        for kind in anchor.kinds:
+            self.anchors_evicted[kind.value] += 1
+
+    def blocks_evicted(self, pool: Pool, count: int) -> None:
+        self.evicted_blocks[pool] += count
+
     def as_dict(self) -> dict:
         out = asdict(self)
+        del out["block_size"]
         out["anchors_kept"] = dict(self.anchors_kept)
         out["anchors_evicted"] = dict(self.anchors_evicted)
         out["evicted_blocks"] = {"swa": self.evicted_blocks[0], "full": self.evicted_blocks[1]}

@@ -1,7 +1,7 @@
 """Two block pools over disjoint id ranges of one KV buffer: SWA `[1, S)` and Full `[S, N)`.
 
 Block 0 is vLLM's null block and belongs to neither pool. Each pool has its own free list and
-its own count of blocks in use; eviction of cached blocks is the manager's business (the prefix
+its own count of blocks in use; eviction of cached blocks is the cache's business (the prefix
 tree knows which cached blocks are worth keeping), so a pool only ever hands out free blocks.
 
 Moving across the boundary:
@@ -9,9 +9,9 @@ Moving across the boundary:
   * when it has none, it borrows a free block of the other pool, the one nearest the boundary;
   * a borrowed block goes back to its home pool's free list as soon as it is freed, so the
     ranges heal: a pool lends only blocks it has no use for at the moment.
-Only free blocks cross. Cached blocks leave a pool only through the manager's eviction order
-(Full KV past the deepest anchor first, then the least recently used anchors), whichever pool
-needs the space; a pool never takes another's cached block by borrowing.
+Only free blocks cross. Cached blocks leave a pool only through the cache's eviction
+(`base.KVCache.evict`), whichever pool needs the space; a pool never takes another's cached
+block by borrowing.
 """
 
 from __future__ import annotations

@@ -1,33 +1,38 @@
-"""The dual-index prefix tree: one node per full block of tokens, two indexes per node.
+"""The dual-index prefix tree: one node per block position, two indexes per node.
 
 A node is one logical sequence position: the block of tokens whose chained hash (vLLM's own
 `Request.block_hashes`) is its key, so equal keys mean equal prefixes. It answers two questions
-with two fields: where this block's Full KV is (`full_blocks`, one block id per Full group) and
-where its SWA KV is (`swa_blocks`, one block id per SWA group, or None when the window has moved
-on). Another tier (host memory, a shared store) adds its own pair of location fields to the same
-node; the tree's shape does not change.
+with two fields: where this position's Full KV is (`full_blocks`, the block ids of every Full
+group) and where its SWA KV is (`swa_blocks`, likewise for the SWA groups, or None when the
+window has moved on). Another tier (host memory, a shared store) adds its own pair of location
+fields to the same node; the tree's shape does not change.
 
 Reference counts live on nodes, not blocks: `full_refs` / `swa_refs` count the running requests
-holding this node's Full / SWA blocks. `anchor_refs` counts the anchors whose window covers the
-node; an unreferenced SWA block stays only while some anchor covers it.
+holding this node's Full / SWA blocks, `anchor_refs` the anchors whose window covers the node
+(from an anchor's creation to `Anchor.uncover`). An unreferenced SWA block stays only while some
+anchor covers it. Running requests' references change only through the tree's methods, which
+keep the two totals the cache's size is derived from: `unreferenced_full` and `retained_swa`
+nodes.
 
-Matching never mutates. A hit can only end where SWA KV is kept, at an anchor (or inside a
-running request's window), so Full KV past the deepest anchor of its path can never be hit:
-such unanchored leaves are evicted first, least recently used first. Everything else goes
-with its anchor (see `anchors.py`): dropping an anchor turns the Full blocks past the previous
-anchor on its path into unanchored leaves.
+Matching never mutates. Full KV past the deepest anchor of its path can never end a hit (a hit
+needs the SWA window before it): such unreferenced, unanchored leaves are the tree's Full
+eviction candidates, least recently used first (`pop_full_victim`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+Blocks = tuple[int, ...]
+"""The block ids of one position in one pool (one or more per group)."""
+
 
 class Node:
-    """One block of tokens in the tree (see the module docstring)."""
+    """One block position in the tree (see the module docstring)."""
 
     __slots__ = (
         "block_hash",
@@ -48,17 +53,17 @@ class Node:
     def __init__(self, block_hash: Any, parent: "Node | None", depth: int) -> None:
         self.block_hash = block_hash
         self.parent = parent
-        self.depth = depth  # block index in the sequence; the root is -1
+        self.depth = depth  # position in the sequence; the root is -1
         self.children: dict[Any, Node] = {}
-        self.full_blocks: tuple[int, ...] | None = None
-        self.swa_blocks: tuple[int, ...] | None = None
+        self.full_blocks: Blocks | None = None
+        self.swa_blocks: Blocks | None = None
         self.full_refs = 0
         self.swa_refs = 0
         self.full_children = 0  # children whose full_blocks are resident
         self.anchor_refs = 0
         self.anchor: Any = None  # the Anchor ending at this node, if any
-        self.last_access = 0.0
-        self.hit_count = 0  # distinct requests that reused this node
+        self.last_access = 0  # the cache's tick of the latest request that referenced it
+        self.hit_count = 0  # distinct requests whose cached prefix ended here
 
     def __repr__(self) -> str:
         return (
@@ -69,7 +74,7 @@ class Node:
 
 @dataclass
 class TreeMatch:
-    """What the tree holds for a request's prefix, in blocks."""
+    """What the tree holds for a request's prefix, in positions."""
 
     path: list[Node]
     """Nodes with resident Full KV from the start: the Full hit."""
@@ -82,13 +87,42 @@ class TreeMatch:
 
     @property
     def pseudo_blocks(self) -> int:
-        """Blocks the Full layers had cached but that must be recomputed for want of SWA KV."""
+        """Positions the Full layers had cached but that must be recomputed for want of SWA KV."""
         return len(self.path) - self.safe_blocks
 
     @property
     def limiting_node(self) -> Node | None:
         """The first node past the real hit, when the Full hit went further."""
         return self.path[self.safe_blocks] if self.safe_blocks < len(self.path) else None
+
+    def holds(self, hit: int, window_blocks: int) -> bool:
+        """Whether every node still has its Full KV and a hit of `hit` positions is still
+        window-safe (the tree may have changed since the match)."""
+        path = self.path
+        return (
+            len(path) >= hit
+            and all(node.full_blocks is not None for node in path)
+            and window_safe_blocks(path[:hit], window_blocks) == hit
+        )
+
+    def takeover(self, hit: int) -> int:
+        """Pseudo-hit nodes right after a hit of `hit` positions that no running request
+        references."""
+        count = 0
+        for node in self.path[hit:]:
+            if node.full_refs:
+                break
+            count += 1
+        return count
+
+    def unreferenced(self, hit: int, window_blocks: int) -> tuple[int, int]:
+        """Nodes a request admitted with a hit of `hit` positions would take out of the
+        evictable sets: Full nodes of the path no request references, and SWA nodes of the
+        window before the hit only anchors keep."""
+        path = self.path
+        full = sum(1 for node in path if node.full_refs == 0)
+        swa = sum(1 for node in path[max(0, hit - window_blocks) : hit] if node.swa_refs == 0)
+        return full, swa
 
 
 def window_safe_blocks(path: list[Node], window_blocks: int) -> int:
@@ -106,23 +140,38 @@ def window_safe_blocks(path: list[Node], window_blocks: int) -> int:
     return 0
 
 
+def position_hashes(block_hashes: Sequence[Any], stride: int, positions: int) -> Sequence[Any]:
+    """The node keys of the first `positions` positions (or fewer, as far as hashed).
+
+    A position is `stride` hash blocks; vLLM chains the hashes, so the hash of a position's last
+    hash block names the whole prefix up to the position's end. Only as many as asked are
+    copied: this runs per lookup."""
+    if stride == 1:
+        return block_hashes
+    return block_hashes[stride - 1 : positions * stride : stride]
+
+
 class PrefixTree:
-    """Nodes by chained block hash, plus the Full eviction order."""
+    """Nodes by chained block hash, their reference counts, and the Full eviction order."""
 
     def __init__(self) -> None:
         self.root = Node(None, None, -1)
         self.nodes: dict[Any, Node] = {}
+        self.unreferenced_full = 0
+        """Nodes with Full blocks that no running request references (all evictable)."""
+        self.retained_swa = 0
+        """Nodes with SWA blocks that no running request references (kept by anchors)."""
         self._seq = itertools.count()
         # Unanchored unreferenced Full leaves: (last_access, seq, node); entries go stale and
         # are checked when popped.
-        self._garbage: list[tuple[float, int, Node]] = []
+        self._garbage: list[tuple[int, int, Node]] = []
 
-    def match(self, block_hashes: list[Any], max_blocks: int, window_blocks: int) -> TreeMatch:
+    def match(self, keys: Sequence[Any], max_blocks: int, window_blocks: int) -> TreeMatch:
         """The Full and window-safe hit for a prefix; does not change the tree."""
         path: list[Node] = []
         nodes = self.nodes
-        for block_hash in block_hashes[:max_blocks]:
-            node = nodes.get(block_hash)
+        for key in keys[:max_blocks]:
+            node = nodes.get(key)
             if node is None or node.full_blocks is None:
                 break
             path.append(node)
@@ -137,15 +186,129 @@ class PrefixTree:
             self.nodes[block_hash] = node
         return node
 
-    def window(self, node: Node, window_blocks: int) -> list[Node]:
-        """`node` and the ancestors whose SWA KV a hit ending at `node` needs."""
+    # ------------------------------------------------------- running requests
+
+    def add_positions(
+        self,
+        path: list[Node],
+        keys: Sequence[Any],
+        full: Sequence[Blocks],
+        swa: Sequence[Blocks | None],
+        start: int,
+        tick: int,
+    ) -> tuple[list[int], list[Node]]:
+        """A running request's positions `start` to `start + len(keys)` enter the tree: its
+        `path` grows by a node per key past its end, each referenced, and the nodes of those
+        positions without SWA KV take the request's SWA blocks there (`swa`, by position).
+
+        A position new to the tree (or whose Full KV was evicted) takes the request's Full
+        blocks `full[position]`; one the tree already holds is referenced, and the request's
+        own blocks stay private to it. Returns the positions whose parent has just become a
+        branch point (its second child), and the anchored nodes nobody referenced before."""
+        branched: list[int] = []
+        root = self.root
+        end = start + len(keys)
+        first_new = len(path)
+        parent = path[-1] if path else root
+        for key in keys[first_new - start :]:
+            pos = len(path)
+            siblings = len(parent.children)
+            node = self.child(parent, key)
+            if siblings == 1 and len(parent.children) == 2 and parent is not root:
+                branched.append(pos)
+            if node.full_blocks is None:
+                self.set_full(node, full[pos])
+                self.unreferenced_full += 1  # until the reference below
+            path.append(node)
+            parent = node
+        anchored = self.ref_full(path[first_new:], tick)
+        for pos in range(start, end):
+            ids = swa[pos]
+            node = path[pos]
+            if ids is not None and node.swa_blocks is None:
+                node.swa_blocks = ids
+                node.swa_refs += 1
+        return branched, anchored
+
+    def adopt(self, path: list[Node], hit: int, window_blocks: int, tick: int) -> tuple[list[Blocks | None], list[Node]]:
+        """A request admitted with a hit of `hit` positions references every node of `path`
+        (the hit and any pseudo hit) and the SWA blocks of the window before the hit. Returns
+        the SWA blocks per position up to the hit (None before the window) and the anchored
+        nodes nobody referenced before."""
+        anchored = self.ref_full(path, tick)
+        start = max(0, hit - window_blocks)
+        return [None] * start + self.ref_swa(path[start:hit]), anchored
+
+    def ref_full(self, nodes: Iterable[Node], tick: int) -> list[Node]:
+        """A running request references these nodes' Full blocks (and uses them at `tick`).
+        Returns the anchored nodes nobody referenced before."""
+        anchored = []
+        for node in nodes:
+            if node.full_refs == 0:
+                self.unreferenced_full -= 1
+                if node.anchor is not None:
+                    anchored.append(node)
+            node.full_refs += 1
+            node.last_access = tick
+        return anchored
+
+    def unref_full(self, nodes: Iterable[Node]) -> list[Node]:
+        """A running request lets go of these nodes (give them leaf first). Returns the anchored
+        nodes nobody references any more."""
+        anchored = []
+        for node in nodes:
+            node.full_refs -= 1
+            if node.full_refs == 0:
+                self.unreferenced_full += 1
+                if node.anchor is not None:
+                    anchored.append(node)
+                self.offer_full_victim(node)
+        return anchored
+
+    def ref_swa(self, nodes: Iterable[Node]) -> list[Blocks | None]:
+        """A running request references these nodes' SWA blocks; returns them."""
         out = []
-        while node is not self.root and len(out) < window_blocks:
-            out.append(node)
-            node = node.parent
+        for node in nodes:
+            if node.swa_refs == 0:
+                self.retained_swa -= 1
+            node.swa_refs += 1
+            out.append(node.swa_blocks)
         return out
 
-    def set_full(self, node: Node, blocks: tuple[int, ...] | None) -> None:
+    def unref_swa(self, node: Node) -> Blocks | None:
+        """A running request lets go of the node's SWA blocks; returns them if nothing keeps
+        them any more (then they are the caller's to free)."""
+        node.swa_refs -= 1
+        if node.swa_refs:
+            return None
+        if node.anchor_refs:
+            self.retained_swa += 1
+            return None
+        blocks, node.swa_blocks = node.swa_blocks, None
+        self.prune(node)
+        return blocks
+
+    # ----------------------------------------------------------------- anchors
+
+    def drop_window(self, node: Node, window: list[Node]) -> list[Blocks]:
+        """An anchor that ended at `node` and covered `window` is gone (`Anchor.uncover`);
+        returns the SWA blocks nothing keeps any more (the caller's to free). The Full KV past
+        the previous anchor on its path is no longer reachable by a hit: the node becomes a
+        Full eviction candidate."""
+        freed = []
+        for covered in window:
+            if covered.anchor_refs == 0 and covered.swa_refs == 0 and covered.swa_blocks is not None:
+                self.retained_swa -= 1
+                freed.append(covered.swa_blocks)
+                covered.swa_blocks = None
+        for covered in window:
+            self.prune(covered)
+        self.offer_full_victim(node)
+        return freed
+
+    # ---------------------------------------------------------------- eviction
+
+    def set_full(self, node: Node, blocks: Blocks | None) -> None:
         """Set or clear the node's Full blocks, keeping the parent's child count."""
         was = node.full_blocks is not None
         node.full_blocks = blocks
@@ -182,6 +345,18 @@ class PrefixTree:
                 return node
         return None
 
+    def evict_full(self) -> Blocks | None:
+        """Drop the Full KV of the least recently used unreferenced, unanchored Full leaf;
+        returns its blocks (the caller's to free), or None if there is no such leaf."""
+        node = self.pop_full_victim()
+        if node is None:
+            return None
+        blocks = node.full_blocks
+        self.unreferenced_full -= 1
+        self.set_full(node, None)
+        self.prune(node)
+        return blocks
+
     def prune(self, node: Node) -> None:
         """Remove `node` and then its ancestors while they hold nothing and have no children."""
         while (
@@ -201,8 +376,10 @@ class PrefixTree:
         self.root.children.clear()
         self.nodes.clear()
         self._garbage.clear()
+        self.unreferenced_full = self.retained_swa = 0
 
     def check_integrity(self) -> None:
+        unreferenced = retained = 0
         for key, node in self.nodes.items():
             assert node.block_hash == key
             assert node.parent is not None and node.parent.children.get(key) is node, node
@@ -218,6 +395,10 @@ class PrefixTree:
                 assert node.parent.full_blocks is not None, f"stranded Full block at {node}"
             if node.swa_blocks is not None and node.swa_refs == 0:
                 assert node.anchor_refs > 0, f"unreferenced SWA blocks with no anchor at {node}"
+            unreferenced += node.full_blocks is not None and node.full_refs == 0
+            retained += node.swa_blocks is not None and node.swa_refs == 0
+        assert unreferenced == self.unreferenced_full, (unreferenced, self.unreferenced_full)
+        assert retained == self.retained_swa, (retained, self.retained_swa)
         assert sum(1 for _ in self._walk()) == len(self.nodes)
 
     def _walk(self):

@@ -1,10 +1,11 @@
-"""The engine-process side of the plugin: vLLM's scheduler with the hybrid KV manager installed.
+"""vLLM's scheduler with the plugin's KV cache installed (the engine-core process).
 
 vLLM builds its KV cache manager inside `Scheduler.__init__` and offers no factory, so the
 plugin owns the scheduler class (installed through `SchedulerConfig.scheduler_cls`, see
-`vllm_mimo.hooks`) and swaps in `HybridKVCacheManager` once vLLM's own setup is done. This is
-also the one place, in the engine process, where the model's KV cache groups are known: the
-plugin's startup lines are logged here.
+`vllm_mimo.hooks`) and swaps in `HybridKVCacheManager` once vLLM's own setup is done. Around
+vLLM's scheduling it adds the step cut (`step_budget`), the pinned prompts (`pinning`) and the
+metrics snapshot (`publisher`). This is also the one place, in the engine process, where the
+model's KV cache groups are known: the plugin's startup lines and warnings are logged here.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
-from vllm_mimo.block_manager.manager import HybridKVCacheManager
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
+from vllm_mimo.engine.pinning import pin_requests
+from vllm_mimo.engine.publisher import SnapshotPublisher, manager_snapshot
+from vllm_mimo.engine.step_budget import StepBudget
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
-from vllm_mimo.metrics import SnapshotPublisher, manager_snapshot
-from vllm_mimo.pinning import pin_requests
 
 GIB = 1 << 30
 
@@ -32,9 +34,9 @@ class _MimoSchedulerMixin:
     mimo_config: MimoConfig
     mimo_layout: HybridLayout | None
     mimo_manager: HybridKVCacheManager | None = None
+    mimo_step_budget: StepBudget | None = None
     _mimo_publisher: SnapshotPublisher | None = None
     _mimo_pins_due = False
-    _mimo_can_cut_steps = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -70,7 +72,7 @@ class _MimoSchedulerMixin:
         features = ["layout-detection"]
         if self.mimo_manager is not None:
             features += ["hybrid-kv-manager", "separate-pools", "swa-anchors"]
-            if self.mimo_config.step_prefill_floor_tokens and self._mimo_can_cut_steps:
+            if self.mimo_step_budget is not None:
                 features.append("memory-aware-prefill")
         return features
 
@@ -105,20 +107,22 @@ class _MimoSchedulerMixin:
                 "vllm-mimo: KV cache events are enabled, but the hybrid KV manager publishes "
                 "none; consumers of BlockStored/BlockRemoved events see nothing from this engine"
             )
+        floor = self.mimo_config.step_prefill_floor_tokens
+        if floor and isinstance(getattr(self, "max_num_scheduled_tokens", None), int):
+            self.mimo_step_budget = StepBudget(self.mimo_manager.cache, floor)
+        elif floor:
+            logger.warning(
+                "vllm-mimo: this vLLM's scheduler has no integer max_num_scheduled_tokens, so "
+                "step_prefill_floor_tokens=%d has no effect: steps are not cut when KV memory "
+                "is short",
+                floor,
+            )
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
         self._mimo_pins_due = bool(
             self.mimo_config.pin_prompts_file and self.cache_config.enable_prefix_caching  # type: ignore[attr-defined]
         )
-        self._mimo_can_cut_steps = isinstance(getattr(self, "max_num_scheduled_tokens", None), int)
-        if self.mimo_config.step_prefill_floor_tokens and not self._mimo_can_cut_steps:
-            logger.warning(
-                "vllm-mimo: this vLLM's scheduler has no integer max_num_scheduled_tokens, so "
-                "step_prefill_floor_tokens=%d has no effect: steps are not cut when KV memory "
-                "is short",
-                self.mimo_config.step_prefill_floor_tokens,
-            )
 
     def has_requests(self) -> bool:
         # Pinned prompts are added on the first step, once the engine's block hashing is set
@@ -129,20 +133,19 @@ class _MimoSchedulerMixin:
         if self._mimo_pins_due:
             self._mimo_pins_due = False
             self._add_pinned_prompts()
-        floor = self.mimo_config.step_prefill_floor_tokens if self.mimo_manager is not None else 0
-        if not floor or not self._mimo_can_cut_steps:
+        step_budget = self.mimo_step_budget
+        if step_budget is None:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         # vLLM's scheduler reads one token budget for decodes and prefills, in running order;
         # lowering it for this step is the one way in without copying its loop.
-        manager = self.mimo_manager
         budget = self.max_num_scheduled_tokens  # type: ignore[has-type]
-        limit = manager.step_token_limit(self.running, budget, floor)  # type: ignore[attr-defined]
+        limit = step_budget.token_limit(self.running, budget)  # type: ignore[attr-defined]
         self.max_num_scheduled_tokens = limit
         try:
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             self.max_num_scheduled_tokens = budget
-        manager.record_step(limit, budget, output.total_num_scheduled_tokens)
+        step_budget.record(limit, budget, output.total_num_scheduled_tokens)
         return output
 
     def _add_pinned_prompts(self) -> None:
@@ -161,8 +164,8 @@ class _MimoSchedulerMixin:
         )
 
     def _log_pools(self) -> None:
-        manager = self.mimo_manager
-        geometry, pools = manager.geometry, manager.pools
+        cache = self.mimo_manager.cache
+        geometry, pools = cache.geometry, cache.pools
         # Every group's tensor aliases the same buffer: the largest one is all the KV memory.
         bytes_per_block = max(
             t.size for t in self.kv_cache_config.kv_cache_tensors  # type: ignore[attr-defined]
@@ -182,7 +185,7 @@ class _MimoSchedulerMixin:
             "; ".join(described),
             "/".join(str(size) for size in sorted(set(geometry.group_block_sizes))),
             geometry.window,
-            manager.anchor_budget_blocks,
+            cache.anchor_budget_blocks,
         )
 
     def _mimo_publish(self, force: bool = False) -> None:
@@ -192,6 +195,7 @@ class _MimoSchedulerMixin:
         self._mimo_publisher.publish(
             lambda: manager_snapshot(
                 self.mimo_manager,
+                self.mimo_step_budget,
                 vllm_config.model_config.served_model_name,
                 vllm_config.parallel_config.data_parallel_rank,
             ),

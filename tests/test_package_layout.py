@@ -1,0 +1,69 @@
+"""The package's layout rules, read from the source: the KV cache library depends on nothing of
+the plugin's engine side, and eval and tests reach it only through its public names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+BLOCK_MANAGER = ROOT / "vllm_mimo" / "block_manager"
+ALLOWED_OUTSIDE = {"vllm_mimo.config", "vllm_mimo.compat"}
+
+
+def _imports(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+        elif isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+    return modules
+
+
+def test_block_manager_imports_nothing_of_the_plugin_but_config_and_compat():
+    for path in sorted(BLOCK_MANAGER.glob("*.py")):
+        outside = {
+            m for m in _imports(path)
+            if (m == "vllm_mimo" or m.startswith("vllm_mimo.")) and not m.startswith("vllm_mimo.block_manager")
+        }
+        assert outside <= ALLOWED_OUTSIDE, f"{path.relative_to(ROOT)} imports {sorted(outside - ALLOWED_OUTSIDE)}"
+
+
+def _private_names() -> set[str]:
+    """Private attributes and methods the KV cache library's classes define."""
+    names = set()
+    for path in BLOCK_MANAGER.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.Attribute)):
+                name = node.name if isinstance(node, ast.FunctionDef) else node.attr
+                if name.startswith("_") and not name.startswith("__"):
+                    names.add(name)
+    return names
+
+
+def _library_classes() -> set[str]:
+    return {
+        node.name
+        for path in BLOCK_MANAGER.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def test_eval_and_tests_use_only_the_public_names_of_the_kv_cache():
+    private, classes = _private_names(), _library_classes() - {"CacheObserver"}
+    offences = []
+    for path in sorted([*ROOT.glob("eval/*.py"), *ROOT.glob("tests/*.py")]):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    offences.append(f"{where}: .{node.attr}")
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                if bases & classes:
+                    offences.append(f"{where}: class {node.name} subclasses {sorted(bases & classes)}")
+    assert not offences, "eval/ and tests/ must use the KV cache's contract and observers:\n" + "\n".join(offences)

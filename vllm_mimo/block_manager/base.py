@@ -1,0 +1,257 @@
+"""What the hybrid KV cache offers, what it tells, and the order in which it evicts.
+
+A short contract in the spirit of mini-sglang's `kvcache/base.py`. vLLM's scheduler reaches the
+cache through `adapter.HybridKVCacheManager`; eval and tests use only this contract, the
+observer interface below, and the plain data the cache shows (tree nodes, anchors, pools).
+
+Units: a *position* is `geometry.block_size` tokens (the least common multiple of the KV cache
+groups' block sizes); at each position a request holds block ids in both pools, the Full pool's
+for every Full group and, inside its SWA mask, the SWA pool's for every SWA group. Sizes below
+are block ids.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
+    from vllm_mimo.block_manager.geometry import KVGeometry
+    from vllm_mimo.block_manager.pools import BlockPools, Pool
+    from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
+
+
+@dataclass(slots=True)
+class SizeInfo:
+    """Where the block ids are (the null block is in none of these)."""
+
+    free: int
+    """On the pools' free lists."""
+    cached_full: int
+    """Full blocks in the tree that no running request holds: evictable."""
+    anchor_swa: int
+    """SWA blocks that only anchors keep: evictable with their anchors, unless held."""
+    held_full: int
+    """Full blocks running requests hold."""
+    held_swa: int
+    """SWA blocks running requests hold (their windows and the latest step's positions)."""
+    anchors: int
+    """Live anchors."""
+    demoted_anchors: int
+    """Unpinned demoted anchors: the first to be evicted."""
+
+    @property
+    def evictable(self) -> int:
+        return self.cached_full + self.anchor_swa
+
+    @property
+    def held(self) -> int:
+        return self.held_full + self.held_swa
+
+
+@dataclass(frozen=True)
+class EvictionCause:
+    """Why cached blocks are evicted: an allocation that needs `full_blocks` + `swa_blocks`
+    block ids, or (both None) the anchor budget."""
+
+    full_blocks: int | None = None
+    swa_blocks: int | None = None
+
+    @property
+    def by_budget(self) -> bool:
+        return self.full_blocks is None
+
+
+ANCHOR_BUDGET = EvictionCause()
+
+
+@dataclass(slots=True)
+class NewBlocks:
+    """The positions an allocation added to a request: Full block ids per position, and SWA
+    block ids per position (None: outside the SWA mask)."""
+
+    full: list[Blocks]
+    swa: list[Blocks | None]
+
+
+class CacheObserver:
+    """Subscribes to the cache's events (`KVCache.subscribe`); override the ones you need.
+
+    An event comes once the cache's state has changed; an observer reads that state and never
+    changes it. Metrics (`metrics.KVManagerMetrics`) and eval's diagnoses are observers."""
+
+    def admitted(self, request: Any, hit_tokens: int, path: Sequence[Node]) -> None:
+        """A request was admitted with a window-safe hit of `hit_tokens`; `path` are the tree
+        nodes of its prefix it now references (the hit, then any pseudo hit)."""
+
+    def cached(self, request: Any, nodes: Sequence[Node]) -> None:
+        """These positions of a running request entered the tree (or were found there)."""
+
+    def freed(self, request: Any) -> None:
+        """A finished or preempted request let go of its blocks."""
+
+    def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
+        """An anchor of `kind` was placed: a new anchor, or a new kind of a live one."""
+
+    def anchor_demoted(self, anchor: Anchor) -> None:
+        """An anchor moved to the front of the eviction order."""
+
+    def anchor_evicted(self, anchor: Anchor, cause: EvictionCause) -> None:
+        """An anchor is being evicted (its window still attached)."""
+
+    def blocks_evicted(self, pool: Pool, count: int) -> None:
+        """Cached blocks of `pool` were freed: a Full leaf, or an anchor's window."""
+
+
+class Observers:
+    """The subscribed observers' handlers, per event; a subscriber's handler is listed only
+    where it overrides `CacheObserver`'s, so an event nobody wants costs nothing."""
+
+    EVENTS = ("admitted", "cached", "freed", "anchor_placed", "anchor_demoted", "anchor_evicted", "blocks_evicted")
+
+    def __init__(self) -> None:
+        self.admitted: list = []
+        self.cached: list = []
+        self.freed: list = []
+        self.anchor_placed: list = []
+        self.anchor_demoted: list = []
+        self.anchor_evicted: list = []
+        self.blocks_evicted: list = []
+
+    def register(self, observer: CacheObserver) -> None:
+        for event in self.EVENTS:
+            if getattr(type(observer), event) is not getattr(CacheObserver, event):
+                getattr(self, event).append(getattr(observer, event))
+
+
+class AnchorPolicy(CacheObserver, ABC):
+    """Where anchors go: the cache tells it what happened to a request and applies the
+    decisions it returns, in order (`AnchorSet.apply`). It is subscribed to the cache's events
+    too, for what it learns from them. `placement.AnchorPlacement` is the plugin's."""
+
+    @abstractmethod
+    def on_hit(self, anchor: Anchor, goes_on: bool) -> Sequence[AnchorDecision]:
+        """A request adopts a hit ending at `anchor` (before the hit is recorded on it);
+        `goes_on`: nothing of the request's prefix is in the tree past the hit."""
+
+    @abstractmethod
+    def on_admitted(
+        self, request: Any, keys: Sequence[Any], nodes: Sequence[Node], hit_tokens: int
+    ) -> Sequence[AnchorDecision]:
+        """A request was admitted with a hit of `hit_tokens`; `keys` are the node keys of its
+        positions (`prefix_tree.position_hashes`), `nodes` its prefix in the tree (hit and
+        pseudo hit)."""
+
+    @abstractmethod
+    def on_cached(
+        self, request: Any, nodes: Sequence[Node], start: int, end: int, branched: Sequence[int]
+    ) -> Sequence[AnchorDecision]:
+        """Positions `start` to `end` of a request (`nodes[start:end]`) are in the tree; at each
+        position in `branched`, the parent has just become a branch point."""
+
+    @abstractmethod
+    def on_finished(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+        """A request finished with `num_cached` of its positions in the tree."""
+
+    @abstractmethod
+    def on_preempted(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+        """A request was preempted with `num_cached` of its positions in the tree."""
+
+    @abstractmethod
+    def starts_demoted(self, kind: AnchorKind) -> bool:
+        """Whether a new anchor of `kind` (already counted as placed) starts demoted."""
+
+
+class KVCache(ABC):
+    """The hybrid KV cache: two pools, the dual-index prefix tree and SWA anchors.
+
+    A request's life: `match` its prefix, `allocate` (admitting it, adopting the hit), then
+    `allocate` again for each step's tokens, `cache` what it computed, and `free` it when it
+    finishes or is preempted. The cache keeps, per running request, its Full blocks and the
+    SWA blocks of its mask (the window before its latest position boundary, plus the
+    positions of its latest step); everything else goes to the tree, kept while an anchor
+    needs it, freed otherwise.
+    """
+
+    geometry: KVGeometry
+    pools: BlockPools
+    tree: PrefixTree
+    anchors: AnchorSet
+    anchor_window_blocks: int
+    """Positions of SWA KV an anchor keeps: the window before a hit at its node."""
+    anchor_budget_blocks: int
+    """SWA blocks anchors may keep (`anchor_budget_fraction`)."""
+
+    @abstractmethod
+    def match(self, request: Any, max_tokens: int) -> TreeMatch:
+        """The request's prefix in the tree, up to `max_tokens`: the Full hit and the
+        window-safe hit (`safe_blocks`). Never mutates anything."""
+
+    @abstractmethod
+    def allocate(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        *,
+        hit_tokens: int = 0,
+        match: TreeMatch | None = None,
+        num_lookahead_tokens: int = 0,
+        headroom: int = 0,
+        whole_request: bool = False,
+        cache: bool = True,
+    ) -> NewBlocks | None:
+        """Room for `num_new_tokens` more tokens (+ lookahead) of the request, evicting as
+        needed; None, changing nothing, if the pools cannot hold them with `headroom` block ids
+        left (`whole_request`: nor the whole request).
+
+        A request not running yet is admitted: it adopts a window-safe hit of `hit_tokens` (of
+        `match`, or the prefix matched again), taking references on its nodes. With `cache`,
+        the positions the new tokens fill are offered to the tree.
+        """
+
+    @abstractmethod
+    def cache(self, request: Any, num_tokens: int) -> None:
+        """Offer the request's positions filled by its first `num_tokens` tokens to the tree."""
+
+    @abstractmethod
+    def release_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Let go of the request's SWA blocks that fell out of its window."""
+
+    @abstractmethod
+    def free(self, request: Any) -> None:
+        """A finished or preempted request lets go of every block; the tree keeps what its
+        anchors need (anchors are placed where it ended)."""
+
+    @abstractmethod
+    def evict(self, num_blocks: int, cause: EvictionCause, evict_held: bool = False) -> bool:
+        """Evict cached blocks until `num_blocks` block ids are free; False if nothing
+        evictable is left first. The eviction order, the one rule of what goes first:
+
+          1. Full KV past the deepest anchor of its path (no hit can end there), least recently
+             used first;
+          2. anchors, each with the Full KV only it made reachable (`AnchorState` order):
+             demoted anchors that never served a hit, the latest demoted first; then demoted
+             anchors that did; then the others, least recently used first; pinned anchors last;
+          3. with `evict_held` (for a request that runs alone), held shared anchors.
+
+        Over the anchor budget, anchors go in the order of 2.
+        """
+
+    @abstractmethod
+    def reset(self) -> bool:
+        """Drop every cached block; refused (False) while requests hold blocks."""
+
+    @abstractmethod
+    def size_info(self) -> SizeInfo:
+        """Where the block ids are now (cheap: no walk over requests or the tree)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert every invariant of pools, tree, anchors and requests (slow; for tests)."""
+
+    @abstractmethod
+    def subscribe(self, observer: CacheObserver) -> None:
+        """Tell `observer` of every event from now on."""

@@ -1,0 +1,483 @@
+"""HybridKVCache: the `base.KVCache` contract over two pools, the prefix tree and SWA anchors.
+
+Per running request it keeps, for every position, the Full block ids and, inside the SWA mask,
+the SWA block ids: the last W tokens, plus the positions of the tokens scheduled in the
+current step (vLLM's attention backends read a prefill chunk's own keys from the cache).
+Everything older is released: kept in the tree while an anchor covers it, freed otherwise. A
+request holds a reference on every tree node of its prefix, so an unreferenced node never has
+a referenced descendant and Full eviction can always go leaf first.
+
+Where a new block comes from: the pool's own free list, else the other pool's (see `pools.py`),
+else eviction (`evict`). Anchors also have a budget (`anchor_budget_fraction`); over it, anchors
+are evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet
+from vllm_mimo.block_manager.base import (
+    ANCHOR_BUDGET,
+    AnchorPolicy,
+    CacheObserver,
+    EvictionCause,
+    KVCache,
+    NewBlocks,
+    Observers,
+    SizeInfo,
+)
+from vllm_mimo.block_manager.geometry import KVGeometry, cdiv
+from vllm_mimo.block_manager.placement import AnchorPlacement
+from vllm_mimo.block_manager.pools import BlockPools, Pool
+from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch, position_hashes
+from vllm_mimo.config import MimoConfig, MimoConfigError
+
+
+_NO_MATCH = TreeMatch([], 0)
+
+
+def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_blocks: int) -> int:
+    """SWA pool size: every running request's window, plus the anchor budget."""
+    running = max_running * geometry.swa_blocks_per_request
+    return max(geometry.swa_blocks_per_request, min(running + anchor_budget_blocks, (geometry.num_blocks - 1) // 2))
+
+
+@dataclass
+class RequestBlocks:
+    """A running request's blocks, by position."""
+
+    full: list[Blocks] = field(default_factory=list)
+    swa: list[Blocks | None] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    """Tree nodes of the prefix, each holding one Full reference for this request."""
+    swa_start: int = 0
+    """Positions below this hold no SWA blocks."""
+    num_cached: int = 0
+    """Positions already offered to the tree."""
+    step_blocks: int = 0
+    """SWA positions allocated by the latest allocation."""
+    lookahead_blocks: int = 0
+    """Positions the latest allocation added past its tokens, for speculative tokens."""
+
+
+class HybridKVCache(KVCache):
+    """Two pools, the dual-index prefix tree and SWA anchors (see the module docstring).
+
+    `anchor_filter` and `anchor_victim` are for measuring tools (`eval.replay_bound`), never
+    for serving: a veto on anchor placements (`AnchorPlacement.only_where`), and a choice of
+    victim among a tier of anchors (`AnchorSet.victim_in_tier`)."""
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        max_model_len: int,
+        hash_block_size: int,
+        config: MimoConfig,
+        *,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        max_num_running: int = 256,
+        observers: Iterable[CacheObserver] = (),
+        anchor_filter: Callable[[Node, AnchorKind], bool] | None = None,
+        anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
+    ) -> None:
+        self.geometry = geometry
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        # EAGLE/MTP drafting needs the target's hidden states of the last hit position, so a
+        # hit stops one position short (as upstream's drop_eagle_block does).
+        self.use_eagle = use_eagle
+        self.block_size = geometry.block_size
+        self.window_blocks = geometry.window_blocks
+        # With EAGLE/MTP a hit ends one position before an anchor, so an anchor keeps one more
+        # position of SWA KV, and so does a running request behind its latest boundary.
+        self.anchor_window_blocks = self.window_blocks + (1 if use_eagle else 0)
+        self.hash_stride = geometry.block_size // hash_block_size
+        self._n_full = geometry.full_ids_per_position
+        self._n_swa = geometry.swa_ids_per_position
+
+        self.anchor_budget_blocks = int(config.anchor_budget_fraction * (geometry.num_blocks - 1))
+        if config.swa_pool_fraction is None:
+            swa_blocks = auto_swa_pool_blocks(geometry, max_num_running, self.anchor_budget_blocks)
+        else:
+            swa_blocks = round(config.swa_pool_fraction * (geometry.num_blocks - 1))
+        if swa_blocks < geometry.swa_blocks_per_request:
+            raise MimoConfigError(
+                f"swa_pool_fraction={config.swa_pool_fraction} gives the SWA pool {swa_blocks} of "
+                f"{geometry.num_blocks - 1} blocks, fewer than one request's window needs "
+                f"({geometry.swa_blocks_per_request} = {self._n_swa} SWA blocks per position x "
+                f"{geometry.window_blocks + 1} positions); raise it or leave it null (auto)"
+            )
+        self.pools = BlockPools(geometry.num_blocks, swa_blocks)
+        self.tree = PrefixTree()
+        # Evicted anchors are remembered as many as the budget holds: what twice the budget
+        # would keep (the size of ARC's ghost lists).
+        anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
+        self.placement: AnchorPolicy = AnchorPlacement(
+            geometry.block_size,
+            config.grid_anchor_tokens,
+            config.hot_prefix_min_hits,
+            ghost_capacity=self.anchor_budget_blocks // anchor_blocks,
+            only_where=anchor_filter,
+        )
+        self._observers = Observers()
+        self.anchors = AnchorSet(
+            self.anchor_window_blocks if self.window_blocks else 0,
+            self.placement.starts_demoted,
+            self._anchor_placed,
+            self._anchor_demoted,
+            victim_in_tier=anchor_victim,
+        )
+        self.subscribe(self.placement)
+        for observer in observers:
+            self.subscribe(observer)
+        self._requests: dict[str, RequestBlocks] = {}
+        self._tick = 0
+
+    def subscribe(self, observer: CacheObserver) -> None:
+        self._observers.register(observer)
+
+    def _anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
+        for placed in self._observers.anchor_placed:
+            placed(anchor, kind)
+
+    def _anchor_demoted(self, anchor: Anchor) -> None:
+        for demoted in self._observers.anchor_demoted:
+            demoted(anchor)
+
+    @property
+    def requests(self) -> Mapping[str, RequestBlocks]:
+        """The running requests' blocks, by request id (read only)."""
+        return self._requests
+
+    # ----------------------------------------------------------------- lookups
+
+    def position_hashes(self, request: Any, positions: int) -> Sequence[Any]:
+        """The node keys of the request's first `positions` positions (or fewer, as far as
+        hashed)."""
+        return position_hashes(request.block_hashes, self.hash_stride, positions)
+
+    def match(self, request: Any, max_tokens: int) -> TreeMatch:
+        if not self.enable_caching:
+            return _NO_MATCH
+        positions = max_tokens // self.block_size
+        keys = self.position_hashes(request, positions)
+        match = self.tree.match(keys, positions, self.window_blocks)
+        if self.use_eagle and match.safe_blocks:
+            match = self.tree.match(keys, match.safe_blocks - 1, self.window_blocks)
+        return match
+
+    # -------------------------------------------------------------- allocation
+
+    def allocate(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        *,
+        hit_tokens: int = 0,
+        match: TreeMatch | None = None,
+        num_lookahead_tokens: int = 0,
+        headroom: int = 0,
+        whole_request: bool = False,
+        cache: bool = True,
+    ) -> NewBlocks | None:
+        self._tick += 1
+        state = self._requests.get(request.request_id)
+        total_computed = min(request.num_computed_tokens + hit_tokens, self.max_model_len)
+        num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        bs, n_full, n_swa, window = self.block_size, self._n_full, self._n_swa, self.window_blocks
+
+        hit = hit_tokens // bs
+        adopted_full = adopted_swa = 0
+        keys: Sequence[Any] = ()
+        if state is not None:
+            self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
+            match = _NO_MATCH
+            have_full, have_swa = len(state.full), len(state.swa)
+        else:
+            positions = (request.num_tokens - 1) // bs
+            keys = position_hashes(request.block_hashes, self.hash_stride, positions)
+            if match is None or not match.holds(hit, window):
+                # The tree changed since the lookup, or the caller trimmed the hit: match again.
+                match = self.tree.match(keys, positions, window)
+                if hit and not match.holds(hit, window):
+                    raise ValueError(
+                        f"request {request.request_id}: {hit_tokens} computed tokens passed in, "
+                        f"but only {match.safe_blocks * bs} are a window-safe hit"
+                    )
+                if not self.enable_caching:
+                    match = _NO_MATCH
+            have_full, have_swa = hit + match.takeover(hit), hit
+            adopted_full, adopted_swa = match.unreferenced(hit, window)
+
+        end = cdiv(num_slots, bs)
+        full_positions, swa_positions = max(0, end - have_full), max(0, end - have_swa)
+        need_full, need_swa = full_positions * n_full, swa_positions * n_swa
+        need = need_full + need_swa + headroom
+        if whole_request:
+            total = cdiv(min(request.num_tokens, self.max_model_len), bs) - have_full
+            need = max(need_full, total * n_full) + need_swa + headroom
+        # Held shared anchors are kept for the other requests that reach them; with no other
+        # request running they may go, or a request that needs nearly every block could never
+        # run (vLLM would wait for it forever).
+        evict_held = len(self._requests) == (0 if state is None else 1)
+        free = self.pools.num_free_total()
+        if need > free:
+            # Everything cached that nobody references is evictable, less what the request
+            # adopts and, unless `evict_held`, the windows held shared anchors keep (admitting
+            # the request may hold more).
+            tree = self.tree
+            evictable = (tree.unreferenced_full - adopted_full) * n_full + (tree.retained_swa - adopted_swa) * n_swa
+            if not evict_held:
+                evictable -= self.anchors.held_window_nodes(match.path, hit, window) * n_swa
+            if need > free + evictable:
+                return None
+
+        admitting = state is None
+        if admitting:
+            # The request references its whole Full path, hit and pseudo hit, keeping its prefix
+            # in the tree. It recomputes the pseudo hit: into the nodes' own Full blocks for the
+            # first `takeover` positions (nobody else is reading them, and vLLM caches blocks at
+            # schedule time the same way), into blocks of its own for the rest.
+            state = RequestBlocks()
+            path = match.path
+            state.swa, anchored = self.tree.adopt(path, hit, window, self._tick)
+            state.nodes = list(path)
+            state.full = [node.full_blocks for node in path[:have_full]]  # type: ignore[misc]
+            state.swa_start = max(0, hit - window)
+            state.num_cached = hit
+            # A hit ends at an anchor (or inside a running request's window).
+            anchor = path[hit - 1].anchor if hit else None
+            decisions = self.placement.on_hit(anchor, goes_on=len(path) == hit) if anchor is not None else ()
+            self.anchors.hold_nodes(anchored)
+            if anchor is not None:
+                self.anchors.record_hit(anchor)
+            self.anchors.apply(decisions)
+        if need_full + need_swa > free and not self.evict(need_full + need_swa, EvictionCause(need_full, need_swa), evict_held):
+            raise AssertionError("allocation plan and pools disagree")
+        new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
+        full = [tuple(new_full[p * n_full : (p + 1) * n_full]) for p in range(full_positions)]
+        swa: list[Blocks | None] = [tuple(new_swa[p * n_swa : (p + 1) * n_swa]) for p in range(swa_positions)]
+        state.full.extend(full)
+        state.swa.extend(swa)
+        state.step_blocks = swa_positions
+        state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
+
+        if admitting:
+            self._requests[request.request_id] = state
+            for admitted in self._observers.admitted:
+                admitted(request, hit_tokens, state.nodes)
+            self.anchors.apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens))
+        if cache and self.enable_caching:
+            self._cache(request, state, min(total_computed + num_new_tokens, request.num_tokens))
+        self._enforce_anchor_budget()
+        return NewBlocks(full, swa)
+
+    # ------------------------------------------------------------------ caching
+
+    def cache(self, request: Any, num_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is not None and self.enable_caching:
+            self._cache(request, state, num_tokens)
+            self._enforce_anchor_budget()
+
+    def _cache(self, request: Any, state: RequestBlocks, num_tokens: int) -> None:
+        """Offer the request's newly filled positions to the tree, and place anchors due there."""
+        block_hashes, stride = request.block_hashes, self.hash_stride
+        start = state.num_cached
+        end = min(num_tokens // self.block_size, len(block_hashes) // stride, len(state.full))
+        if end <= start:
+            return
+        keys = block_hashes[(start + 1) * stride - 1 : end * stride : stride]
+        branched, anchored = self.tree.add_positions(state.nodes, keys, state.full, state.swa, start, self._tick)
+        state.num_cached = end
+        decisions = self.placement.on_cached(request, state.nodes, start, end, branched)
+        self.anchors.hold_nodes(anchored)
+        self.anchors.apply(decisions)
+        for cached in self._observers.cached:
+            cached(request, state.nodes[start:end])
+
+    # ------------------------------------------------------------------ release
+
+    def release_window(self, request_id: str, num_computed_tokens: int) -> None:
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._release_out_of_window(state, num_computed_tokens)
+
+    def _release_out_of_window(self, state: RequestBlocks, processed_tokens: int) -> None:
+        """Release SWA blocks outside the window that ends at the last position boundary.
+
+        That is at most one position more than the running queries read, and it means the
+        request always holds the SWA KV an anchor at its latest boundary needs.
+        """
+        bs = self.block_size
+        first_needed = max(0, processed_tokens // bs * bs - self.geometry.window + 1) // bs
+        first_needed = max(0, first_needed - (self.anchor_window_blocks - self.window_blocks))
+        if first_needed > state.swa_start:
+            self._release_swa(state, min(first_needed, len(state.swa)))
+            state.swa_start = first_needed
+
+    def _release_swa(self, state: RequestBlocks, stop: int) -> None:
+        """Let go of the request's SWA blocks of positions below `stop`: those it shares with
+        the tree go back to the tree, its own to the pool."""
+        nodes, swa, tree, pools = state.nodes, state.swa, self.tree, self.pools
+        for pos in range(state.swa_start, stop):
+            ids = swa[pos]
+            if ids is None:
+                continue
+            swa[pos] = None
+            node = nodes[pos] if pos < len(nodes) else None
+            if node is not None and node.swa_blocks is ids:
+                ids = tree.unref_swa(node)
+                if ids is None:
+                    continue
+            pools.give_back(ids)
+
+    def free(self, request: Any) -> None:
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return
+        nodes = state.nodes
+        if request.is_finished():
+            self.anchors.apply(self.placement.on_finished(request, nodes, state.num_cached))
+        else:
+            self.anchors.apply(self.placement.on_preempted(request, nodes, state.num_cached))
+        self._release_swa(state, len(state.swa))
+        for pos, ids in enumerate(state.full):
+            if pos >= len(nodes) or nodes[pos].full_blocks is not ids:
+                self.pools.give_back(ids)
+        self.anchors.release_nodes(self.tree.unref_full(reversed(nodes)))
+        self._enforce_anchor_budget()
+        for freed in self._observers.freed:
+            freed(request)
+
+    def reset(self) -> bool:
+        if self._requests:
+            return False
+        for anchor in list(self.anchors):
+            self._drop_anchor(anchor)
+        while self._evict_full_leaf():
+            pass
+        assert not self.tree.nodes, "reset left nodes in the tree"
+        self.tree.clear()
+        return True
+
+    # ----------------------------------------------------------------- eviction
+
+    def evict(self, num_blocks: int, cause: EvictionCause, evict_held: bool = False) -> bool:
+        pools = self.pools
+        while pools.num_free_total() < num_blocks:
+            if self._evict_full_leaf():
+                continue
+            anchor = self.anchors.victim(include_held=evict_held)
+            if anchor is None:
+                return False
+            self._evict_anchor(anchor, cause)
+        return True
+
+    def _enforce_anchor_budget(self) -> None:
+        while self.tree.retained_swa * self._n_swa > self.anchor_budget_blocks:
+            anchor = self.anchors.victim()
+            if anchor is None:
+                return
+            self._evict_anchor(anchor, ANCHOR_BUDGET)
+
+    def _evict_full_leaf(self) -> bool:
+        blocks = self.tree.evict_full()
+        if blocks is None:
+            return False
+        self.pools.give_back(blocks)
+        for evicted in self._observers.blocks_evicted:
+            evicted(Pool.FULL, self._n_full)
+        return True
+
+    def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
+        for evicted in self._observers.anchor_evicted:
+            evicted(anchor, cause)
+        self._drop_anchor(anchor)
+
+    def _drop_anchor(self, anchor: Anchor) -> None:
+        self.anchors.remove(anchor)
+        freed = self.tree.drop_window(anchor.node, anchor.uncover())
+        for ids in freed:
+            self.pools.give_back(ids)
+        if freed:
+            for evicted in self._observers.blocks_evicted:
+                evicted(Pool.SWA, len(freed) * self._n_swa)
+
+    # ------------------------------------------------------------------- sizes
+
+    def size_info(self) -> SizeInfo:
+        tree, pools = self.tree, self.pools
+        cached_full = tree.unreferenced_full * self._n_full
+        anchor_swa = tree.retained_swa * self._n_swa
+        return SizeInfo(
+            free=pools.num_free_total(),
+            cached_full=cached_full,
+            anchor_swa=anchor_swa,
+            held_full=pools.used[Pool.FULL] - cached_full,
+            held_swa=pools.used[Pool.SWA] - anchor_swa,
+            anchors=len(self.anchors),
+            demoted_anchors=self.anchors.num_demoted(),
+        )
+
+    def check_integrity(self) -> None:
+        self.pools.check_integrity()
+        self.tree.check_integrity()
+        self.anchors.check_integrity()
+        self.placement.check_integrity(list(self._requests))
+        pools = self.pools
+        owner: dict[int, str] = {}
+
+        def own(ids: Iterable[int], who: str, pool: Pool) -> None:
+            for block_id in ids:
+                assert block_id != 0, f"{who} holds the null block"
+                assert block_id not in owner, f"block {block_id} owned by {owner[block_id]} and {who}"
+                assert pools.owner(block_id) == pool, f"{who} holds block {block_id} of the other pool"
+                owner[block_id] = who
+
+        full_refs: dict[int, int] = {}
+        swa_refs: dict[int, int] = {}
+        for rid, state in self._requests.items():
+            for node in state.nodes:
+                full_refs[id(node)] = full_refs.get(id(node), 0) + 1
+            for pos, ids in enumerate(state.full):
+                node = state.nodes[pos] if pos < len(state.nodes) else None
+                if node is None or node.full_blocks is not ids:
+                    own(ids, f"request {rid} full@{pos}", Pool.FULL)
+            live = 0
+            for pos, ids in enumerate(state.swa):
+                if ids is None:
+                    assert pos < state.swa_start or pos >= len(state.full), (rid, pos)
+                    continue
+                live += 1
+                assert pos >= state.swa_start, (rid, pos)
+                node = state.nodes[pos] if pos < len(state.nodes) else None
+                if node is not None and node.swa_blocks is ids:
+                    swa_refs[id(node)] = swa_refs.get(id(node), 0) + 1
+                else:
+                    own(ids, f"request {rid} swa@{pos}", Pool.SWA)
+            bound = self.anchor_window_blocks + 1 + state.step_blocks + state.lookahead_blocks
+            assert live <= bound, f"request {rid} holds {live} SWA positions, bound {bound}"
+            for i, node in enumerate(state.nodes):
+                assert node.depth == i, (rid, i, node)
+        anchor_refs: dict[int, int] = {}
+        for anchor in self.anchors:
+            assert anchor.node.anchor is anchor
+            for node in anchor.window:
+                anchor_refs[id(node)] = anchor_refs.get(id(node), 0) + 1
+        for node in self.tree.nodes.values():
+            assert node.full_refs == full_refs.get(id(node), 0), (node, full_refs.get(id(node), 0))
+            assert node.swa_refs == swa_refs.get(id(node), 0), (node, swa_refs.get(id(node), 0))
+            assert node.anchor_refs == anchor_refs.get(id(node), 0), node
+            if node.full_blocks is not None:
+                own(node.full_blocks, f"node {node.depth} full", Pool.FULL)
+            if node.swa_blocks is not None:
+                own(node.swa_blocks, f"node {node.depth} swa", Pool.SWA)
+        # Over the budget only while every anchor left is one the budget may not evict (held).
+        retained = self.tree.retained_swa * self._n_swa
+        assert retained <= self.anchor_budget_blocks or self.anchors.victim() is None, "anchor budget exceeded"
+        assert len(owner) == pools.used[0] + pools.used[1], (len(owner), pools.used)

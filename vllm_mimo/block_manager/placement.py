@@ -1,0 +1,233 @@
+"""Where anchors go: every anchor kind is placed here, and nowhere else.
+
+`AnchorPlacement` is the plugin's `base.AnchorPolicy`: the cache tells it what happened to a
+request (a hit adopted, admitted, positions cached, finished, preempted), and `AnchorSet.apply`
+carries out the `AnchorDecision`s it returns, in order:
+
+  * admitted: a hot prefix where the request's cached prefix ends, once `hot_prefix_min_hits`
+    distinct requests stopped there; the positions the request declares
+    (`SamplingParams.extra_args["mimo"]`, `declared_anchors`); where its prompt ends (the
+    longest hit a resend of the same prompt can take). Positions not in the tree yet fall due
+    when they are cached.
+  * cached: a branch point where a node gets its second child; declared and prompt ends that
+    fall due; a grid point every `grid_anchor_tokens` of the prompt, the last one before the
+    prompt's end a prompt tail (where a request sharing the prompt branches off while this
+    one runs).
+  * a hit adopted: a passed anchor (`PASSED_KINDS`) where a session goes on from it, with
+    nothing past it in the tree, is demoted: it has done its job.
+  * finished: the end of its output (the next turn's prefix); its prompt's end, when only a
+    prompt end, is demoted (the next turn goes on from the output).
+  * preempted: where its computed KV ends (it resumes there, first in line).
+
+It also learns, per kind, the share of speculative anchors that serve a hit (`usefulness`); a
+new speculative anchor of a kind that seldom serves starts demoted (`starts_demoted`): kept when
+memory is plentiful, first to go when it is not. An anchor demoted at birth is often evicted
+before its request comes, which would keep the share low however useful the kind is, so the
+node keys of the latest `ghost_capacity` speculative anchors evicted before serving are
+remembered, and a later request whose prompt passes one of them past its hit counts as the
+serve it missed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm_mimo.block_manager.anchors import PASSED_KINDS, SPECULATIVE_KINDS, Anchor, AnchorDecision, AnchorKind
+from vllm_mimo.block_manager.base import AnchorPolicy, EvictionCause
+from vllm_mimo.block_manager.prefix_tree import Node
+
+USEFUL_SHARE = 0.25
+"""Below this share of anchors that served a hit (or would have: see the module docstring), a
+new speculative anchor of a kind starts demoted."""
+
+
+_NONE: tuple[AnchorDecision, ...] = ()
+
+
+class AnchorHintError(ValueError):
+    """A request's `extra_args["mimo"]` anchor hints are malformed."""
+
+
+def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
+    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]`, validated."""
+    hints = (extra_args or {}).get("mimo")
+    if hints is None:
+        return [], False
+    if not isinstance(hints, dict):
+        raise AnchorHintError(f'extra_args["mimo"] must be an object, got {hints!r}')
+    unknown = set(hints) - {"anchors", "pin"}
+    if unknown:
+        raise AnchorHintError(
+            f'unknown keys {sorted(unknown)} in extra_args["mimo"]; allowed: anchors, pin'
+        )
+    positions = hints.get("anchors", [])
+    pin = hints.get("pin", False)
+    if not isinstance(positions, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in positions
+    ):
+        raise AnchorHintError(
+            f'extra_args["mimo"]["anchors"] must be a list of positive token positions, '
+            f"got {positions!r}"
+        )
+    if not isinstance(pin, bool):
+        raise AnchorHintError(f'extra_args["mimo"]["pin"] must be true or false, got {pin!r}')
+    return positions, pin
+
+
+class AnchorPlacement(AnchorPolicy):
+    """Anchor decisions per request event, and what each kind is worth (see the module
+    docstring). It observes the cache for what it learns: anchors placed and evicted.
+
+    `only_where`: a measuring tool's veto on placements (`eval.replay_bound` places anchors
+    only where a later request's hit ends); never used when serving."""
+
+    def __init__(
+        self,
+        block_size: int,
+        grid_tokens: int,
+        hot_prefix_min_hits: int,
+        ghost_capacity: int,
+        only_where: Callable[[Node, AnchorKind], bool] | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.grid_blocks = grid_tokens // block_size
+        self.hot_prefix_min_hits = hot_prefix_min_hits
+        self.ghost_capacity = ghost_capacity
+        self.only_where = only_where
+        self.created: Counter[AnchorKind] = Counter()
+        self.served: Counter[AnchorKind] = Counter()
+        # Node key of a speculative anchor evicted before it served -> its kinds.
+        self._ghosts: OrderedDict[Any, frozenset[AnchorKind]] = OrderedDict()
+        # Per running request: anchors due when caching reaches these position counts.
+        self._due: dict[str, dict[int, tuple[AnchorKind, bool]]] = {}
+
+    # ------------------------------------------------------------- learning
+
+    def usefulness(self, kind: AnchorKind) -> float:
+        """Share of this kind's anchors that served a hit so far, or would have had they not
+        been evicted (1/2 before any evidence)."""
+        return (self.served[kind] + 1) / (self.created[kind] + 2)
+
+    def starts_demoted(self, kind: AnchorKind) -> bool:
+        return kind in SPECULATIVE_KINDS and self.usefulness(kind) < USEFUL_SHARE
+
+    def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
+        self.created[kind] += 1
+
+    def anchor_evicted(self, anchor: Anchor, cause: EvictionCause) -> None:
+        kinds = anchor.kinds & SPECULATIVE_KINDS
+        if kinds and not anchor.served and self.ghost_capacity:
+            key = anchor.node.block_hash
+            self._ghosts[key] = frozenset(kinds)
+            self._ghosts.move_to_end(key)
+            if len(self._ghosts) > self.ghost_capacity:
+                self._ghosts.popitem(last=False)
+
+    def _credit_missed_serve(self, keys: Sequence[Any], start: int, end: int) -> None:
+        """A new request could hit up to position `end` but hits only `start`: the deepest
+        remembered evicted anchor in between would have served it."""
+        for pos in range(min(end, len(keys)) - 1, start - 1, -1):
+            kinds = self._ghosts.pop(keys[pos], None)
+            if kinds is not None:
+                self.served.update(kinds)
+                return
+
+    # ------------------------------------------------------------ decisions
+
+    def _keep(self, decisions: list[AnchorDecision]) -> Sequence[AnchorDecision]:
+        if self.only_where is None:
+            return decisions
+        return [d for d in decisions if d.demote or self.only_where(d.node, d.kind)]
+
+    def on_hit(self, anchor: Anchor, goes_on: bool) -> Sequence[AnchorDecision]:
+        if not anchor.served:
+            self.served.update(anchor.kinds)
+        if goes_on and anchor.kinds <= PASSED_KINDS:
+            return (AnchorDecision(anchor.node, demote=True),)
+        return _NONE
+
+    def on_admitted(
+        self, request: Any, keys: Sequence[Any], nodes: Sequence[Node], hit_tokens: int
+    ) -> Sequence[AnchorDecision]:
+        bs = self.block_size
+        prompt_blocks = (request.num_prompt_tokens - 1) // bs
+        decisions = []
+        if request.num_preemptions == 0:
+            if self._ghosts:
+                self._credit_missed_serve(keys, hit_tokens // bs, prompt_blocks)
+            if nodes:
+                # Where this request's cached prefix ends is where it leaves what others
+                # computed: a junction. Count the distinct requests that stop at it.
+                junction = nodes[-1]
+                junction.hit_count += 1
+                if junction.hit_count >= self.hot_prefix_min_hits:
+                    decisions.append(AnchorDecision(junction, AnchorKind.HOT))
+        positions, pinned = declared_anchors(getattr(request.sampling_params, "extra_args", None))
+        ends = {p // bs: (AnchorKind.DECLARED, pinned) for p in positions if p // bs}
+        if prompt_blocks:
+            ends.setdefault(prompt_blocks, (AnchorKind.PROMPT_END, False))
+        due = {}
+        for end, (kind, pin) in ends.items():
+            if end <= len(nodes):  # already in the tree (hit or pseudo hit)
+                decisions.append(AnchorDecision(nodes[end - 1], kind, pin))
+            else:
+                due[end] = (kind, pin)
+        if due:
+            self._due[request.request_id] = due
+        return self._keep(decisions)
+
+    def on_cached(
+        self, request: Any, nodes: Sequence[Node], start: int, end: int, branched: Sequence[int]
+    ) -> Sequence[AnchorDecision]:
+        due = self._due.get(request.request_id)
+        grid = self.grid_blocks
+        prompt_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        grid_points = range(-(-(start + 1) // grid) * grid, min(end, prompt_blocks) + 1, grid) if grid else ()
+        if not (due or grid_points or branched):
+            return _NONE
+        branch_at = set(branched)
+        decisions = []
+        for pos in sorted({*branched, *(p - 1 for p in grid_points), *(p - 1 for p in (due or ()) if start < p <= end)}):
+            node = nodes[pos]
+            if pos in branch_at:
+                decisions.append(AnchorDecision(node.parent, AnchorKind.BRANCH))
+            fell_due = due.pop(pos + 1, None) if due else None
+            if fell_due is not None:
+                decisions.append(AnchorDecision(node, *fell_due))
+            if grid and (pos + 1) % grid == 0 and pos < prompt_blocks and (node.anchor is None or fell_due is not None):
+                # A prompt end on the grid is a grid point too, so it is not demoted as a mere
+                # prompt end when the output moves on: later requests may branch there.
+                last = fell_due is None and (pos + 1) + grid >= prompt_blocks
+                decisions.append(AnchorDecision(node, AnchorKind.PROMPT_TAIL if last else AnchorKind.GRID))
+        return self._keep(decisions)
+
+    def on_finished(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+        self._due.pop(request.request_id, None)
+        if not num_cached:
+            return _NONE
+        end = nodes[num_cached - 1]
+        decisions = [AnchorDecision(end, AnchorKind.OUTPUT_END)]
+        prompt_blocks = min((request.num_prompt_tokens - 1) // self.block_size, num_cached)
+        prompt_end = nodes[prompt_blocks - 1] if prompt_blocks else end
+        if prompt_end is not end and prompt_end.anchor is not None and prompt_end.anchor.kinds == {AnchorKind.PROMPT_END}:
+            # The next turn continues from the output's end; the prompt's end now only serves a
+            # retry of the same prompt, so it goes first when memory is short.
+            decisions.append(AnchorDecision(prompt_end, demote=True))
+        return self._keep(decisions)
+
+    def on_preempted(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+        """It comes back first in line and resumes from its cached KV, as upstream's freed blocks
+        stay cached. The anchor ends where the computed tokens do (the window before that is
+        still held): positions cached for this step's tokens are not computed if the request is
+        preempted within the step."""
+        self._due.pop(request.request_id, None)
+        computed = min(num_cached, request.num_computed_tokens // self.block_size)
+        if not computed:
+            return _NONE
+        return self._keep([AnchorDecision(nodes[computed - 1], AnchorKind.RESUME)])
+
+    def check_integrity(self, running: Sequence[str]) -> None:
+        assert len(self._ghosts) <= self.ghost_capacity, "more evicted anchors remembered than allowed"
+        assert set(self._due) <= set(running), "anchors due for a request that is not running"

@@ -1,0 +1,77 @@
+"""The engine's side of the plugin's metrics: a snapshot of the KV cache's counters, written for
+the front end that serves `/metrics` and `LLM()` users (`vllm_mimo.metrics` reads it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.engine.step_budget import StepBudget
+from vllm_mimo.metrics import snapshot_path
+
+_PUBLISH_INTERVAL_S = 0.25
+
+
+def manager_snapshot(
+    manager: HybridKVCacheManager, step_budget: StepBudget | None, model_name: str, engine_index: int
+) -> dict:
+    """Everything `/metrics` shows for one engine."""
+    metrics, pools, size = manager.metrics, manager.cache.pools, manager.cache.size_info()
+    return {
+        "model_name": model_name,
+        "engine": engine_index,
+        "time": time.time(),
+        "prompt_tokens": metrics.prompt_tokens,
+        "window_safe_hit_tokens": metrics.hit_tokens,
+        "full_cached_tokens": metrics.full_cached_tokens,
+        "pseudo_hit_tokens": metrics.pseudo_hit_tokens,
+        "recomputed_swa_tokens": metrics.recomputed_swa_tokens,
+        "preempted_hit_tokens": metrics.preempted_hit_tokens,
+        "prefill_steps_cut": step_budget.steps_cut if step_budget is not None else 0,
+        "anchors_kept": dict(metrics.anchors_kept),
+        "anchors_evicted": dict(metrics.anchors_evicted),
+        "anchors": size.anchors,
+        "anchor_blocks": size.anchor_swa,
+        "pools": {
+            pool: {
+                "blocks": pools.home_size[i],
+                "used_blocks": pools.used[i],
+                "peak_blocks": pools.peak_used[i],
+                "borrowed_blocks": pools.borrowed[i],
+                "evicted_blocks": metrics.evicted_blocks[i],
+            }
+            for i, pool in enumerate(("swa", "full"))
+        },
+    }
+
+
+class SnapshotPublisher:
+    """Writes an engine's snapshot for its front end, at most every 0.25 s unless forced."""
+
+    def __init__(self, engine_index: int) -> None:
+        self.path = snapshot_path(engine_index)
+        self._last = 0.0
+        self._failed = False
+
+    def publish(self, snapshot_fn: Callable[[], dict], force: bool = False) -> None:
+        now = time.monotonic()
+        if self._failed or (not force and now - self._last < _PUBLISH_INTERVAL_S):
+            return
+        self._last = now
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snapshot_fn(), f)
+            os.replace(tmp, self.path)
+        except OSError as e:  # metrics must never take the engine down
+            self._failed = True
+            from vllm_mimo.log import logger
+
+            logger.warning("vllm-mimo: cannot write KV manager metrics to %s (%s); metrics are off", self.path, e)
+
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.remove(self.path)

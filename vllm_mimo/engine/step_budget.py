@@ -1,0 +1,55 @@
+"""The step cut (`step_prefill_floor_tokens`): a step's token budget when KV memory is short.
+
+vLLM's stock attention backends read a prefill chunk's keys back from the cache, so every
+prefill token needs blocks of every KV group during its step. When memory is short, a step is
+cut to its decode tokens plus the prefill the pools can take without evicting an anchor still
+in the eviction order's live part, but never below the floor: fewer preemptions and lost
+anchors under pressure, no effect while memory is ample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm_mimo.block_manager.base import KVCache
+
+
+class StepBudget:
+    """Cuts a step's token budget to what `cache` can take; counts the steps it held back."""
+
+    def __init__(self, cache: KVCache, floor_tokens: int) -> None:
+        self.cache = cache
+        self.floor_tokens = floor_tokens
+        geometry = cache.geometry
+        self._anchor_window_ids = geometry.swa_ids_per_position * cache.anchor_window_blocks
+        self._ids_per_position = geometry.full_ids_per_position + geometry.swa_ids_per_position
+        self.steps_cut = 0
+        """Steps that scheduled all of a budget cut below the full one (so the cut held prefill back)."""
+
+    def prefill_tokens(self) -> int:
+        """An estimate of the prefill tokens one step can add without evicting an anchor that
+        is not demoted: free blocks, Full blocks no running request holds (some lie under live
+        anchors, so it errs high) and the windows of demoted anchors, at one position's blocks
+        of every group per position of tokens."""
+        info = self.cache.size_info()
+        blocks = info.free + info.cached_full + info.demoted_anchors * self._anchor_window_ids
+        return blocks * self.cache.geometry.block_size // self._ids_per_position
+
+    def token_limit(self, running: Iterable[Any], token_budget: int) -> int:
+        """A step's token budget: the decode tokens of the `running` requests plus
+        `prefill_tokens()`, with at least `floor_tokens` for prefill, at most `token_budget`."""
+        prefill = max(self.floor_tokens, self.prefill_tokens())
+        if prefill >= token_budget:  # memory is ample: no need to walk the running requests
+            return token_budget
+        decode = sum(
+            1 + len(request.spec_token_ids)
+            for request in running
+            if request.num_computed_tokens >= request.num_prompt_tokens
+        )
+        return min(token_budget, decode + prefill)
+
+    def record(self, limit: int, token_budget: int, scheduled_tokens: int) -> None:
+        """Count a step that the cut held back: its limit was below the budget and it used it all."""
+        if limit < token_budget and scheduled_tokens >= limit:
+            self.steps_cut += 1
