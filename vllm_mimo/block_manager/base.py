@@ -13,8 +13,8 @@ are block ids.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -66,6 +66,24 @@ class EvictionCause:
 
 
 ANCHOR_BUDGET = EvictionCause()
+
+
+@dataclass
+class RequestBlocks:
+    """A running request's blocks, by position."""
+
+    full: list[Blocks] = field(default_factory=list)
+    swa: list[Blocks | None] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    """Tree nodes of the prefix, each holding one Full reference for this request."""
+    swa_start: int = 0
+    """Positions below this hold no SWA blocks."""
+    num_cached: int = 0
+    """Positions already offered to the tree."""
+    step_blocks: int = 0
+    """SWA positions allocated by the latest allocation."""
+    lookahead_blocks: int = 0
+    """Positions the latest allocation added past its tokens, for speculative tokens."""
 
 
 @dataclass(slots=True)
@@ -180,10 +198,16 @@ class KVCache(ABC):
     pools: BlockPools
     tree: PrefixTree
     anchors: AnchorSet
+    placement: AnchorPolicy
     anchor_window_blocks: int
     """Positions of SWA KV an anchor keeps: the window before a hit at its node."""
     anchor_budget_blocks: int
     """SWA blocks anchors may keep (`anchor_budget_fraction`)."""
+
+    @property
+    @abstractmethod
+    def requests(self) -> Mapping[str, RequestBlocks]:
+        """The running requests' blocks, by request id (read only)."""
 
     @abstractmethod
     def match(self, request: Any, max_tokens: int) -> TreeMatch:

@@ -15,7 +15,6 @@ are evicted.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet
@@ -27,6 +26,7 @@ from vllm_mimo.block_manager.base import (
     KVCache,
     NewBlocks,
     Observers,
+    RequestBlocks,
     SizeInfo,
 )
 from vllm_mimo.block_manager.geometry import KVGeometry, cdiv
@@ -43,24 +43,6 @@ def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_b
     """SWA pool size: every running request's window, plus the anchor budget."""
     running = max_running * geometry.swa_blocks_per_request
     return max(geometry.swa_blocks_per_request, min(running + anchor_budget_blocks, (geometry.num_blocks - 1) // 2))
-
-
-@dataclass
-class RequestBlocks:
-    """A running request's blocks, by position."""
-
-    full: list[Blocks] = field(default_factory=list)
-    swa: list[Blocks | None] = field(default_factory=list)
-    nodes: list[Node] = field(default_factory=list)
-    """Tree nodes of the prefix, each holding one Full reference for this request."""
-    swa_start: int = 0
-    """Positions below this hold no SWA blocks."""
-    num_cached: int = 0
-    """Positions already offered to the tree."""
-    step_blocks: int = 0
-    """SWA positions allocated by the latest allocation."""
-    lookahead_blocks: int = 0
-    """Positions the latest allocation added past its tokens, for speculative tokens."""
 
 
 class HybridKVCache(KVCache):
@@ -150,7 +132,6 @@ class HybridKVCache(KVCache):
 
     @property
     def requests(self) -> Mapping[str, RequestBlocks]:
-        """The running requests' blocks, by request id (read only)."""
         return self._requests
 
     # ----------------------------------------------------------------- lookups
