@@ -2,7 +2,7 @@
 
     python -m eval.replay (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
         [--engines upstream-r0,upstream-dense,upstream-r512,swa-free,mimo] [--max-requests N]
-        [--json OUT] [--plot OUT.png]
+        [--max-model-len TOKENS] [--json OUT] [--plot OUT.png]
 
 No model is loaded. For each KV budget, every engine gets the `KVCacheConfig` vLLM builds for
 the layout at that budget (`swa-free`: the same number of blocks with the SWA groups removed),
@@ -24,7 +24,8 @@ tokens (cached by the Full layers, recomputed for want of SWA KV); recomputed pr
 simulated seconds (mean and p90, from sending to the end of the step that completes the prompt);
 peak blocks held by running requests per pool; mean CPU microseconds per manager call
 (`get_computed_blocks`, `allocate_slots`, `free`; the plugin's per-step budget call adds its time
-but is not counted as a call); steps the plugin's cut held back.
+but is not counted as a call); steps the plugin's cut held back; requests skipped as longer
+than `--max-model-len` (vLLM would reject them), left out of every count.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class RunResult:
     preemptions: int = 0
     prefill_steps_cut: int = 0
     """The plugin's steps the prefill cut held back (`step_prefill_floor_tokens`)."""
+    skipped_too_long: int = 0
+    """Requests of the source not replayed: prompt and output longer than `max_model_len`."""
     peak_blocks: dict = field(default_factory=dict)
     mean_us_per_call: float = 0.0
     sim_seconds: float = 0.0
@@ -399,7 +402,7 @@ def print_table(runs: list[RunResult]) -> None:
     baseline = {r.kv_gib: r for r in runs if r.engine == "upstream-r0"}
     header = (
         f"{'engine':<15}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
-        f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'TTFT s':>8}{'p90':>8}{'us/call':>9}{'x r0':>7}"
+        f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'TTFT s':>8}{'p90':>8}{'us/call':>9}{'x r0':>7}{'skipped':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -410,7 +413,7 @@ def print_table(runs: list[RunResult]) -> None:
             f"{r.engine:<15}{r.kv_gib:>8.2f}{r.num_blocks:>9}{r.prompt_tokens:>11}{r.ideal_hit_tokens:>11}"
             f"{r.hit_tokens:>11}{100 * r.hit_ratio:>6.1f}%{100 * r.fraction_of_ideal:>8.1f}%"
             f"{r.pseudo_hit_tokens:>10}{r.recomputed_prefill_tokens:>11}{r.preemptions:>8}"
-            f"{r.ttft_mean_s:>8.2f}{r.ttft_p90_s:>8.2f}{r.mean_us_per_call:>9.0f} {ratio}"
+            f"{r.ttft_mean_s:>8.2f}{r.ttft_p90_s:>8.2f}{r.mean_us_per_call:>9.0f} {ratio}{r.skipped_too_long:>8}"
         )
 
 
@@ -447,11 +450,28 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
     parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")
+    parser.add_argument(
+        "--max-model-len", type=int, default=SimParams.max_model_len, metavar="TOKENS",
+        help=f"the engines' max_model_len, a multiple of {BLOCK_SIZE}; a request whose prompt and "
+        "output are longer is skipped (as vLLM would reject it) and counted in the table and JSON "
+        f"(default: {SimParams.max_model_len})",
+    )
 
 
-def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[ReplayRequest] | None:
-    """Check the arguments of `add_source_arguments` and read the requests; None (after
-    printing why) if the trace is unreadable or malformed."""
+@dataclass
+class Source:
+    """What to replay: the requests kept, and how many of the source's were skipped."""
+
+    name: str
+    requests: list[ReplayRequest]
+    skipped_too_long: int
+    max_model_len: int
+
+
+def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Source | None:
+    """Check the arguments of `add_source_arguments` and read the requests (the first
+    `--max-requests`, less those longer than `--max-model-len`); None (after printing why) if
+    the trace is unreadable or malformed, or no request is short enough."""
     from eval.workloads import TraceError
 
     if args.layout not in LAYOUTS:
@@ -460,12 +480,24 @@ def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
     if not args.scale > 0:
         parser.error(f"--scale must be > 0, got {args.scale}")
+    if args.max_model_len < 2 * BLOCK_SIZE or args.max_model_len % BLOCK_SIZE:
+        parser.error(
+            f"--max-model-len must be a multiple of {BLOCK_SIZE} and >= {2 * BLOCK_SIZE}, got {args.max_model_len}"
+        )
     try:
         requests = read_mooncake(args.trace) if args.trace else make_workload(args.workload, args.seed, args.scale)
     except (TraceError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    return requests[: args.max_requests]
+    requests = requests[: args.max_requests]
+    kept = [r for r in requests if r.prompt_len + r.output.length <= args.max_model_len]
+    skipped = len(requests) - len(kept)
+    if not kept:
+        print(f"error: all {len(requests)} requests are longer than max_model_len {args.max_model_len}", file=sys.stderr)
+        return None
+    if skipped:
+        print(f"skipping {skipped} of {len(requests)} requests: longer than max_model_len {args.max_model_len}", file=sys.stderr)
+    return Source(str(args.trace) if args.trace else args.workload, kept, skipped, args.max_model_len)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,17 +533,14 @@ def main(argv: list[str] | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'vllm-mimo[eval]'")
-    requests = load_source(parser, args)
-    if requests is None:
+    source = load_source(parser, args)
+    if source is None:
         return 2
+    requests, source_name = source.requests, source.name
     params = SimParams(
-        max_running=args.max_running, closed_loop=not args.open_loop, step_prefill_floor=args.step_prefill_floor
+        max_running=args.max_running, max_model_len=source.max_model_len, closed_loop=not args.open_loop,
+        step_prefill_floor=args.step_prefill_floor,
     )
-    too_long = [i for i, r in enumerate(requests) if r.prompt_len + r.output.length > params.max_model_len]
-    if too_long:
-        print(f"error: request {too_long[0]} is longer than max_model_len {params.max_model_len}", file=sys.stderr)
-        return 2
-    source_name = str(args.trace) if args.trace else args.workload
     print(f"replay: {source_name}, {len(requests)} requests, layout {args.layout}, engines {','.join(engines)}", file=sys.stderr)
     ideal = ideal_hits(requests)
 
@@ -523,10 +552,12 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 print(f"error: {engine} at {kv_gib} GiB: {e}", file=sys.stderr)
                 return 2
+            runs[-1].skipped_too_long = source.skipped_too_long
     print_table(runs)
     if args.json:
         args.json.write_text(json.dumps({
             "source": source_name, "layout": args.layout, "params": asdict(params),
+            "skipped_too_long": source.skipped_too_long,
             "runs": [r.as_dict() for r in runs],
         }, indent=2) + "\n")
     if args.plot:

@@ -141,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(not g > 0 for g in args.kv_gib):
         parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
-    requests = load_source(parser, args)
-    if requests is None:
+    source = load_source(parser, args)
+    if source is None:
         return 2
-    params = SimParams(closed_loop=not args.open_loop)
+    requests, source_name = source.requests, source.name
+    params = SimParams(max_model_len=source.max_model_len, closed_loop=not args.open_loop)
     ideal = ideal_hits(requests)
-    source_name = str(args.trace) if args.trace else args.workload
     print(f"replay_bound: {source_name}, {len(requests)} requests, layout {args.layout}", file=sys.stderr)
     variants = {
         "clairvoyant-placement": clairvoyant_factory(requests, ideal, evict_farthest=False),
@@ -163,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {name} at {kv_gib} GiB: {e}", file=sys.stderr)
                 return 2
             run.engine = name
+            run.skipped_too_long = source.skipped_too_long
             runs.append(run)
     print_table(runs)
     if args.json:
         args.json.write_text(json.dumps({
-            "source": source_name, "layout": args.layout, "runs": [r.as_dict() for r in runs],
+            "source": source_name, "layout": args.layout, "skipped_too_long": source.skipped_too_long,
+            "runs": [r.as_dict() for r in runs],
         }, indent=2) + "\n")
     return 0
 

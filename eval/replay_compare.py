@@ -1,6 +1,6 @@
 """Compare two sets of `eval.replay` JSON files: the same counts run for run, or what differs.
 
-    python -m eval.replay_compare BEFORE_DIR AFTER_DIR [--pattern 'replay-*.json']
+    python -m eval.replay_compare BEFORE_DIR AFTER_DIR [--pattern 'replay-*.json'] [--table ENGINE]
 
 For a change that must not change what the managers do (a refactor), run the replay suite
 (`eval/run_replay_suite.sh`) on the commit before it and after it, each writing its own
@@ -9,6 +9,10 @@ full-hit and pseudo-hit tokens, recomputed prefill tokens, preemptions, steps cu
 and evicted by kind, peak blocks held, simulated seconds and TTFT; not the manager's time per
 call, which is measured and varies with the machine's state (compare it in alternated runs).
 Exit status 0 when every run in both folders has the same counts, 1 otherwise, 2 on bad input.
+
+For a change that is meant to change one engine's results (a policy), `--table ENGINE` prints
+that engine's hit tokens, mean and p90 TTFT and preemptions before and after, point by point, as
+a Markdown table, and the worst ratio of hit tokens after to before.
 """
 
 from __future__ import annotations
@@ -51,15 +55,52 @@ def compare(before: Path, after: Path, pattern: str) -> tuple[list[str], int]:
     return lines, compared
 
 
+def table(before: Path, after: Path, pattern: str, engine: str) -> list[str]:
+    """One Markdown row per budget of `engine` in both folders, and a closing line."""
+    lines = [
+        "| file | KV GiB | hit before | hit after | after ÷ before | TTFT s before / after | p90 before / after | preemptions before / after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    worst: tuple[float, str] | None = None
+    for path in sorted(before.glob(pattern)):
+        other = after / path.name
+        if not other.exists():
+            continue
+        runs_a, runs_b = _runs(path), _runs(other)
+        for key in sorted(k for k in runs_a if k[0] == engine and k in runs_b):
+            x, y = runs_a[key], runs_b[key]
+            ratio = y["hit_tokens"] / x["hit_tokens"] if x["hit_tokens"] else float("inf")
+            where = f"{path.stem} {key[1]:g} GiB"
+            if worst is None or ratio < worst[0]:
+                worst = (ratio, where)
+            lines.append(
+                f"| {path.stem} | {key[1]:g} | {x['hit_tokens']:,} | {y['hit_tokens']:,} | {ratio:.4f} | "
+                f"{x['ttft_mean_s']:.3f} / {y['ttft_mean_s']:.3f} | {x['ttft_p90_s']:.3f} / {y['ttft_p90_s']:.3f} | "
+                f"{x['preemptions']} / {y['preemptions']} |"
+            )
+    if worst is None:
+        raise ValueError(f"no {engine} runs in both {before} and {after}")
+    lines.append(f"\n{len(lines) - 2} points; lowest hit tokens after ÷ before: {worst[0]:.4f} ({worst[1]})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("before", type=Path, help="folder of eval.replay JSON files (the reference)")
     parser.add_argument("after", type=Path, help="folder of eval.replay JSON files to compare with it")
     parser.add_argument("--pattern", default="replay-*.json", help="file names to compare (default: replay-*.json)")
+    parser.add_argument("--table", metavar="ENGINE", help="print ENGINE's hits, TTFT and preemptions before and after, point by point, instead of the differences")
     args = parser.parse_args(argv)
     for folder in (args.before, args.after):
         if not folder.is_dir():
             parser.error(f"{folder} is not a folder")
+    if args.table:
+        try:
+            print("\n".join(table(args.before, args.after, args.pattern, args.table)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         lines, compared = compare(args.before, args.after, args.pattern)
     except (OSError, ValueError, KeyError) as e:

@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.kv_gib > 0:
         parser.error(f"--kv-gib must be > 0, got {args.kv_gib}")
-    requests = load_source(parser, args)
-    if requests is None:
+    source = load_source(parser, args)
+    if source is None:
         return 2
+    requests = source.requests
 
     diagnoses: list[Diagnosis] = []
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         diagnoses.append(Diagnosis(manager))
         return manager
 
-    params = SimParams(closed_loop=not args.open_loop)
+    params = SimParams(max_model_len=source.max_model_len, closed_loop=not args.open_loop)
     try:
         run = simulate("mimo", args.layout, args.kv_gib, requests, ideal_hits(requests), params,
                        mimo_factory=observed, on_step=lambda: diagnoses[0].step())
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     m = diagnoses[0]
     use = {k: round(v / max(m.samples, 1)) for k, v in m.block_use.items()}
     out = {
-        "source": str(args.trace) if args.trace else args.workload, "layout": args.layout,
+        "source": source.name, "layout": args.layout, "skipped_too_long": source.skipped_too_long,
         "kv_gib": args.kv_gib, "blocks": run.num_blocks, "hit_tokens": run.hit_tokens,
         "pseudo_hit_tokens": run.pseudo_hit_tokens, "mean_blocks_by_use": use,
         "pseudo_hit_tokens_by_cause": dict(m.pseudo_causes), "anchor_evictions_by_trigger": dict(m.anchor_evictions),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The issue-3 side-by-side replay: every workload at five KV budgets, all engines, JSON + plot.
+# The issue-3 side-by-side replay: every workload at five KV budgets (four for the long
+# conversations of issue 18), all engines, JSON + plot.
 # Budgets are chosen per workload from the swa-free ceiling (see eval/RESULTS.md).
 #   eval/run_replay_suite.sh              sessions closed-loop (the default of eval.replay)
 #   eval/run_replay_suite.sh --open-loop  every request at its timestamp; files *-open-loop.*
@@ -24,3 +25,9 @@ run shared-system-prompt --workload shared-system-prompt -- 2 3 4 8 16
 run agent-sessions --workload agent-sessions -- 4 6 8 12 16
 run mixed --workload mixed -- 4 6 10 16 32
 run agentic-mooncake --trace eval/traces/agentic-mooncake.jsonl -- 4 6 10 16 32
+# Many long conversations whose working set is 5-10x the budget (issue 18). Their next turns are
+# sent at their timestamps either way (the answer is not in the next prompt), so they run once.
+if [ -z "$SUFFIX" ]; then
+  run long-conversations --workload long-conversations -- 10 13 16 20
+  run long-conversations-shared --workload long-conversations-shared -- 7 10 14 20
+fi

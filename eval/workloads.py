@@ -12,6 +12,10 @@ Workloads:
   agent-sessions        agent loops: a shared tool prompt, then steps that append a tool result
                         and a short answer, growing to 32K tokens and more.
   mixed                 both, plus unrelated one-shot prompts.
+  long-conversations    120 long conversations (prompts of 5-30K tokens growing turn by turn)
+                        on 512-token blocks, a third of them forking an earlier one.
+  long-conversations-shared
+                        the same, most of the others starting from shared system prompts.
 
 Mooncake format (FAST'25 trace): one JSON object per line with `timestamp` (ms),
 `input_length`, `output_length` and `hash_ids`, each id a 512-token block, equal ids = equal
@@ -135,6 +139,64 @@ def one_shot(seed: int, scale: float = 1.0, keys: _Keys | None = None, span_s: f
     ]
 
 
+def _blocks(keys: _Keys, length: int) -> tuple[Segment, ...]:
+    """`length` fresh tokens as Mooncake-style 512-token blocks (the last one partial)."""
+    out = []
+    while length > 0:
+        keys._next += 1
+        out.append(Segment(keys._next, min(MOONCAKE_BLOCK, length)))
+        length -= MOONCAKE_BLOCK
+    return tuple(out)
+
+
+def long_conversations(seed: int, scale: float = 1.0, shared_share: float = 0.0) -> list[ReplayRequest]:
+    """Many long multi-turn conversations, shaped like public Mooncake conversation traces: a
+    first prompt of 5-12K tokens (a pasted document or code), then turns that each add 300-3,000
+    tokens (the answer and a new message) until the prompt reaches 12-30K. As in those traces
+    the content is 512-token blocks and a next turn's prompt keeps only the previous prompt's
+    whole blocks (its partial last block is re-blocked with the new tokens), so junctions fall
+    on 512-token boundaries and the answer is not in the next prompt; requests are sent at
+    their timestamps, a turn 20-90 s after the previous one. A third of the conversations fork
+    an earlier one (a regenerated answer, an edited message, another question on the same
+    document): they start from a whole-block prefix of one of its prompts, cut at a random
+    512-token boundary. `shared_share`: the share of the other conversations that start from
+    one of eight shared 1-4K-token system prompts (Zipf); the rest start fresh."""
+    keys = _Keys(seed + 71)
+    rng = keys.rng
+    systems = [_blocks(keys, int(rng.integers(2, 9)) * MOONCAKE_BLOCK) for _ in range(8)]
+    popularity = 1.0 / np.arange(1, len(systems) + 1)
+    popularity /= popularity.sum()
+    requests = []
+    t = 0.0
+    for _ in range(max(1, int(120 * scale))):
+        t += float(rng.exponential(16.0))
+        if requests and rng.random() < 1 / 3:
+            earlier = requests[int(rng.integers(len(requests)))].prompt
+            start = earlier[: int(rng.integers(1, len(earlier) + 1))]
+            if start[-1].length < MOONCAKE_BLOCK:
+                start = start[:-1] or earlier[:1]
+        else:
+            start = systems[int(rng.choice(len(systems), p=popularity))] if rng.random() < shared_share else ()
+        prompt = start + _blocks(keys, max(MOONCAKE_BLOCK, int(rng.integers(5_000, 12_000)) - sum(s.length for s in start)))
+        target = int(rng.integers(12_000, 30_000))
+        arrival = t
+        while True:
+            output = keys.segment(50, 600)
+            requests.append(ReplayRequest(arrival, prompt, output))
+            length = sum(s.length for s in prompt)
+            if length >= target:
+                break
+            whole = prompt if prompt[-1].length == MOONCAKE_BLOCK else prompt[:-1]
+            carried = length - sum(s.length for s in whole)
+            prompt = whole + _blocks(keys, carried + int(rng.integers(300, 3_000)))
+            arrival += float(rng.uniform(20, 90))
+    return requests
+
+
+def long_conversations_shared(seed: int, scale: float = 1.0) -> list[ReplayRequest]:
+    return long_conversations(seed, scale, shared_share=0.6)
+
+
 def mixed(seed: int, scale: float = 1.0) -> list[ReplayRequest]:
     keys = _Keys(seed + 51)
     return (
@@ -148,6 +210,8 @@ WORKLOADS: dict[str, Callable[..., list[ReplayRequest]]] = {
     "shared-system-prompt": shared_system_prompt,
     "agent-sessions": agent_sessions,
     "mixed": mixed,
+    "long-conversations": long_conversations,
+    "long-conversations-shared": long_conversations_shared,
 }
 
 

@@ -247,6 +247,46 @@ def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node(
     assert anchors.victim() is hot
 
 
+def test_live_anchors_go_least_worth_per_block_first_and_age_as_anchors_are_evicted():
+    """GreedyDual over the LRU state: priority = the clock when last used + worth per block; the
+    clock rises to each evicted anchor's priority, so recency wins in the end."""
+    tree = PrefixTree()
+    a, b, c, d, e = _chain(tree, 5)
+    worth = {}
+    anchors = AnchorSet(worth=lambda anchor: worth[anchor.node.depth])
+    for node, value in ((a, 1.0), (b, 5.0), (c, 2.0)):
+        worth[node.depth] = value
+        anchors.add(Anchor(node, AnchorKind.GRID, 1), pinned=False)
+    assert [x.node for x in anchors] == [a, c, b]  # least worth first, not least recent
+    anchors.evicted(a.anchor)
+    anchors.evicted(anchors.victim())  # c: the clock is now 2
+    assert anchors.clock == 2.0
+    worth[d.depth], worth[e.depth] = 1.0, 4.0
+    for node in (d, e):
+        anchors.add(Anchor(node, AnchorKind.GRID, 1), pinned=False)
+    # d (2 + 1) now goes before b (0 + 5), which was worth more but used long ago; e (2 + 4) after b.
+    assert [x.node for x in anchors] == [d, b, e]
+    anchors.touch(b.anchor)  # used again: 2 + 5
+    assert [x.node for x in anchors] == [d, e, b]
+    anchors.check_integrity()
+
+
+def test_an_anchor_is_worth_the_tokens_it_alone_makes_reachable_per_block_it_keeps():
+    tree = PrefixTree()
+    nodes = _chain(tree, 40)
+    placement = AnchorPlacement(BLOCK, 10 * BLOCK, 2, ghost_capacity=0, window_cost=4, full_blocks_per_position=1)
+    grid = Anchor(nodes[19], AnchorKind.GRID, 2)
+    first = Anchor(nodes[9], AnchorKind.HOT, 2)
+    tail = Anchor(nodes[39], AnchorKind.PROMPT_TAIL, 2)
+    share = placement.usefulness(AnchorKind.GRID)  # 1/2 before any evidence
+    assert placement.worth(first) == pytest.approx(1.0 * 10 * BLOCK / (4 + 10))  # from the root
+    assert placement.worth(grid) == pytest.approx(share * 10 * BLOCK / (4 + 10))  # from the anchor at 9
+    assert placement.worth(tail) == pytest.approx(share * 20 * BLOCK / (4 + 20))
+    assert placement.worth(tail) > placement.worth(grid)  # the same kind, a longer reach per block
+    grid.uncover()  # without the grid point, the tail alone reaches 30 positions
+    assert placement.worth(tail) == pytest.approx(share * 30 * BLOCK / (4 + 30))
+
+
 def test_a_demoted_shared_anchor_that_serves_again_is_held_while_its_node_is():
     """A prompt tail demoted while a request ran through it, then hit by the next request: no
     longer demoted, and in use while that request holds its node (found by the stateful test)."""

@@ -225,6 +225,60 @@ def test_compare_finds_the_same_counts_or_names_the_difference(tmp_path, capsys)
     (after / "replay-siblings.json").write_text(json.dumps(data))
     assert replay_compare.main([str(before), str(after)]) == 1
     assert "replay-siblings.json mimo 4 GiB: {'hit_tokens': (2032, 2016)}" in capsys.readouterr().out
+    assert replay_compare.main([str(before), str(after), "--table", "mimo"]) == 0
+    out = capsys.readouterr().out
+    assert "| replay-siblings | 4 | 2,032 | 2,016 | 0.9921 |" in out
+    assert "1 points; lowest hit tokens after ÷ before: 0.9921 (replay-siblings 4 GiB)" in out
+    assert replay_compare.main([str(before), str(after), "--table", "nope"]) == 2
+    assert "no nope runs" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         replay_compare.main([str(before), str(tmp_path / "nowhere")])
     assert "nowhere is not a folder" in capsys.readouterr().err
+
+
+def test_requests_longer_than_max_model_len_are_skipped_and_counted(tmp_path, capsys):
+    trace = tmp_path / "long.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [0, 1]}\n'
+        '{"timestamp": 5, "input_length": 2000, "output_length": 10, "hash_ids": [0, 2, 3, 4]}\n'
+        '{"timestamp": 9, "input_length": 700, "output_length": 10, "hash_ids": [0, 5]}\n'
+    )
+    args = ["--trace", str(trace), "--layout", "mimo-v2.5-pro", "--kv-gib", "4", "--engines", "swa-free,mimo"]
+    out = tmp_path / "replay.json"
+    assert replay.main([*args, "--max-model-len", "1024", "--json", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "skipping 1 of 3 requests: longer than max_model_len 1024" in captured.err
+    assert captured.out.splitlines()[0].split()[-1] == "skipped"
+    data = json.loads(out.read_text())
+    assert data["skipped_too_long"] == 1 and data["params"]["max_model_len"] == 1024
+    for run in data["runs"]:
+        assert run["requests"] == 2 and run["skipped_too_long"] == 1
+        assert run["prompt_tokens"] == 600 + 700 and run["hit_tokens"] == 512  # the third hits the first's block
+    # Negative control: with room for all three, nothing is skipped.
+    assert replay.main([*args, "--json", str(out), "--quiet"]) == 0
+    assert json.loads(out.read_text())["skipped_too_long"] == 0
+
+    assert replay.main([*args, "--max-model-len", "512"]) == 2
+    assert "all 3 requests are longer than max_model_len 512" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        replay.main([*args, "--max-model-len", "1000"])
+    assert "--max-model-len must be a multiple of 16 and >= 32, got 1000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["long-conversations", "long-conversations-shared"])
+def test_long_conversations_branch_only_on_whole_512_token_blocks(name):
+    """Like public Mooncake traces: whatever two prompts share is a run of whole 512-token blocks,
+    prompts are 5K to ~33K tokens, and many requests share a prefix with an earlier one."""
+    requests = make_workload(name, seed=0, scale=0.1)
+    seen: set[tuple] = set()
+    shared = 0
+    for r in requests:
+        assert 5_000 <= r.prompt_len <= 30_000 + 3_000 + 512
+        common = 0
+        while common < len(r.prompt) and r.prompt[: common + 1] in seen:
+            common += 1
+        assert all(s.length == 512 for s in r.prompt[:common]), "a shared prefix ends inside a 512-token block"
+        shared += common > 0
+        seen.update(r.prompt[: i + 1] for i in range(len(r.prompt)))
+    assert shared > len(requests) / 2
+    assert previous_turns(requests) == [None] * len(requests)  # sent at their timestamps

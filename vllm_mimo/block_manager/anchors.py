@@ -18,6 +18,8 @@ hits than it saves (measured in eval/RESULTS.md).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -68,7 +70,11 @@ class AnchorState(IntEnum):
     DEMOTED_UNSERVED, DEMOTED_SERVED: no longer needed (a session went on from it) or of a kind
         that seldom serves, and it never served a hit / it did (a junction requests came back
         to, where another may fork). The latest demoted is at the front.
-    LRU: live, least recently used first (created, hit or released by its last holder).
+    LRU: live, least worth first: GreedyDual's order, where an anchor's priority is the clock
+        when it was last used (created, hit or released by its last holder) plus its worth per
+        block (`AnchorSet`'s `worth`), and the clock rises to each evicted anchor's priority. So
+        an anchor worth little per block goes before one worth more that was used as long ago,
+        and recency still wins in the end (with equal worths this is least recently used).
     PINNED: pinned (declared with `pin`, or a prompt pinned at startup); a demoted pinned
         anchor goes to the front of this queue.
     HELD: a shared anchor whose node a running request holds (see the module docstring).
@@ -90,7 +96,7 @@ _DEMOTED = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED)
 class Anchor:
     """An anchor of `kind` ending at `node`, covering the `window_blocks` nodes up to it."""
 
-    __slots__ = ("node", "window", "kinds", "state", "served")
+    __slots__ = ("node", "window", "kinds", "state", "served", "priority", "entry")
 
     def __init__(self, node: Node, kind: AnchorKind, window_blocks: int) -> None:
         self.node = node
@@ -104,6 +110,8 @@ class Anchor:
         self.kinds = {kind}
         self.state = AnchorState.LRU  # set by AnchorSet.add
         self.served = False  # whether a hit has ended at it
+        self.priority = 0.0  # in the LRU state: the clock when last used plus its worth per block
+        self.entry = 0  # the sequence number of its live entry in the LRU heap
 
     def uncover(self) -> list[Node]:
         """The anchor goes: its node and window are no longer its; returns the window (the
@@ -130,19 +138,21 @@ class AnchorSet:
     """Live anchors, one queue per `AnchorState`. Transitions:
 
         add        -> LRU, or PINNED
-        touch      DEMOTED_* -> LRU (then HELD if `hold` would take it); others: to the back
+        touch      DEMOTED_* -> LRU (then HELD if `hold` would take it); LRU: priority
+                   renewed; others: to the back
         demote     LRU, HELD, DEMOTED_* -> the front of DEMOTED_SERVED or DEMOTED_UNSERVED;
                    PINNED -> the front of PINNED
         hold       LRU -> HELD, for a shared kind; others stay
         release    HELD -> LRU
         pin        any -> PINNED
-        remove     any -> gone
+        remove     any -> gone (`evicted`: and the clock rises to its priority)
 
     `apply` carries out an anchor policy's decisions: an anchor covers `window_blocks`
     positions (0: no anchors are placed), a new one starts demoted where `starts_demoted` says
     so (the policy's rule), and `placed` / `demoted` are told of each anchor placed (or given a
-    new kind) and demoted. `victim_in_tier`: a measuring tool's choice of victim among a tier's
-    anchors (see `tiers`), in place of the queue order; never used when serving."""
+    new kind) and demoted. `worth`: the policy's worth per block of an anchor, which orders the
+    LRU state (`AnchorState`). `victim_in_tier`: a measuring tool's choice of victim among a
+    tier's anchors (see `tiers`), in place of the queue order; never used when serving."""
 
     def __init__(
         self,
@@ -151,6 +161,7 @@ class AnchorSet:
         placed: Callable[[Anchor, AnchorKind], None] = lambda anchor, kind: None,
         demoted: Callable[[Anchor], None] = lambda anchor: None,
         victim_in_tier: Callable[[list[Anchor]], Anchor] | None = None,
+        worth: Callable[[Anchor], float] = lambda anchor: 0.0,
     ) -> None:
         self.window_blocks = window_blocks
         self._starts_demoted = starts_demoted
@@ -159,6 +170,12 @@ class AnchorSet:
         self._queues: dict[AnchorState, OrderedDict[int, Anchor]] = {state: OrderedDict() for state in AnchorState}
         self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
         self._victim_in_tier = victim_in_tier
+        self._worth = worth
+        # The LRU state's order: (priority, entry, anchor); an entry is stale once its anchor
+        # left the state or was used again (a newer entry), and is skipped when met.
+        self._heap: list[tuple[float, int, Anchor]] = []
+        self._entries = itertools.count(1)
+        self.clock = 0.0
 
     def __len__(self) -> int:
         return sum(map(len, self._queues.values()))
@@ -166,7 +183,31 @@ class AnchorSet:
     def __iter__(self) -> Iterator[Anchor]:
         """Every live anchor: the evictable ones in eviction order, then the held ones."""
         for state in (*EVICTION_ORDER, AnchorState.HELD):
-            yield from self._queues[state].values()
+            yield from self._in_order(state)
+
+    def _in_order(self, state: AnchorState) -> list[Anchor]:
+        queue = self._queues[state]
+        if state is AnchorState.LRU:
+            return sorted(queue.values(), key=lambda anchor: (anchor.priority, anchor.entry))
+        return list(queue.values())
+
+    def _used(self, anchor: Anchor) -> None:
+        """An anchor in the LRU state was just used: its priority is the clock plus its worth."""
+        anchor.priority = self.clock + self._worth(anchor)
+        anchor.entry = next(self._entries)
+        heapq.heappush(self._heap, (anchor.priority, anchor.entry, anchor))
+        if len(self._heap) > 2 * len(self._queues[AnchorState.LRU]) + 64:
+            self._heap = [e for e in self._heap if e[2].entry == e[1] and e[2].state is AnchorState.LRU]
+            heapq.heapify(self._heap)
+
+    def _lru_first(self) -> Anchor | None:
+        heap = self._heap
+        while heap:
+            _, entry, anchor = heap[0]
+            if anchor.entry == entry and anchor.state is AnchorState.LRU:
+                return anchor
+            heapq.heappop(heap)
+        return None
 
     def _move(self, anchor: Anchor, state: AnchorState, front: bool = False) -> None:
         self._queues[anchor.state].pop(id(anchor))
@@ -175,12 +216,16 @@ class AnchorSet:
         if front:
             queue.move_to_end(id(anchor), last=False)
         anchor.state = state
+        if state is AnchorState.LRU:
+            self._used(anchor)
 
     def add(self, anchor: Anchor, pinned: bool) -> None:
         anchor.state = AnchorState.PINNED if pinned else AnchorState.LRU
         self._queues[anchor.state][id(anchor)] = anchor
         if anchor.kinds & SHARED_KINDS:
             self._shared[id(anchor)] = anchor
+        if not pinned:
+            self._used(anchor)
 
     def add_kind(self, anchor: Anchor, kind: AnchorKind) -> None:
         """A live anchor is now also of `kind`."""
@@ -191,14 +236,25 @@ class AnchorSet:
     def remove(self, anchor: Anchor) -> None:
         self._queues[anchor.state].pop(id(anchor))
         self._shared.pop(id(anchor), None)
+        anchor.entry = 0  # its LRU heap entry, if any, is stale
+
+    def evicted(self, anchor: Anchor) -> None:
+        """`anchor` is evicted: gone, and the clock rises to its priority if it was in the LRU
+        state (GreedyDual's aging: see `AnchorState`)."""
+        if anchor.state is AnchorState.LRU and anchor.priority > self.clock:
+            self.clock = anchor.priority
+        self.remove(anchor)
 
     def touch(self, anchor: Anchor) -> None:
-        """Just used: to the back of its queue; a demoted anchor is live again (and in use, if
-        it is shared and a running request holds its node)."""
+        """Just used: a live anchor's priority is renewed, a pinned or held one goes to the
+        back of its queue, a demoted one is live again (and in use, if it is shared and a
+        running request holds its node)."""
         if anchor.demoted:
             self._move(anchor, AnchorState.LRU)
             if anchor.node.full_refs:
                 self.hold(anchor)
+        elif anchor.state is AnchorState.LRU:
+            self._used(anchor)
         else:
             self._queues[anchor.state].move_to_end(id(anchor))
 
@@ -280,7 +336,7 @@ class AnchorSet:
         """The evictable anchors in tiers, each in eviction order: unpinned (demoted ones
         first), pinned, then held ones if `include_held`. Victims come from the first tier
         that is not empty."""
-        yield [anchor for state in (*_DEMOTED, AnchorState.LRU) for anchor in self._queues[state].values()]
+        yield [anchor for state in (*_DEMOTED, AnchorState.LRU) for anchor in self._in_order(state)]
         yield list(self._queues[AnchorState.PINNED].values())
         if include_held:
             yield list(self._queues[AnchorState.HELD].values())
@@ -294,6 +350,11 @@ class AnchorSet:
                     return self._victim_in_tier(tier)
             return None
         for state in EVICTION_ORDER:
+            if state is AnchorState.LRU:
+                first = self._lru_first()
+                if first is not None:
+                    return first
+                continue
             queue = self._queues[state]
             if queue:
                 return next(iter(queue.values()))
@@ -346,6 +407,7 @@ class AnchorSet:
         return [anchor for anchor in self if kind in anchor.kinds]
 
     def check_integrity(self) -> None:
+        in_heap = {entry for _, entry, _ in self._heap}
         for state, queue in self._queues.items():
             for anchor in queue.values():
                 assert anchor.state is state, f"{anchor} is in the {state.name} queue"
@@ -354,6 +416,7 @@ class AnchorSet:
                     assert held, f"{anchor} is held, but it is not shared or no running request holds its node"
                 elif state is AnchorState.LRU:
                     assert not held, f"{anchor} is in use but not held"
+                    assert anchor.entry in in_heap, f"{anchor} is not in the LRU order"
                 elif state in _DEMOTED:
                     assert anchor.served == (state is AnchorState.DEMOTED_SERVED), f"{anchor} is in the wrong demoted queue"
         shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}

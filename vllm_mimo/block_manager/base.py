@@ -182,6 +182,11 @@ class AnchorPolicy(CacheObserver, ABC):
     def starts_demoted(self, kind: AnchorKind) -> bool:
         """Whether a new anchor of `kind` (already counted as placed) starts demoted."""
 
+    @abstractmethod
+    def worth(self, anchor: Anchor) -> float:
+        """What `anchor` is worth per block it keeps, in hit tokens (orders the live anchors:
+        `anchors.AnchorState`)."""
+
 
 class KVCache(ABC):
     """The hybrid KV cache: two pools, the dual-index prefix tree and SWA anchors.
@@ -258,7 +263,8 @@ class KVCache(ABC):
              used first;
           2. anchors, each with the Full KV only it made reachable (`AnchorState` order):
              demoted anchors that never served a hit, the latest demoted first; then demoted
-             anchors that did; then the others, least recently used first; pinned anchors last;
+             anchors that did; then the others, least worth per block first, aged as anchors
+             are evicted (GreedyDual over `AnchorPolicy.worth`); pinned anchors last;
           3. with `evict_held` (for a request that runs alone), held shared anchors.
 
         Over the anchor budget, anchors go in the order of 2.

@@ -104,6 +104,8 @@ class HybridKVCache(KVCache):
             config.hot_prefix_min_hits,
             ghost_capacity=self.anchor_budget_blocks // anchor_blocks,
             only_where=anchor_filter,
+            window_cost=anchor_blocks,
+            full_blocks_per_position=self._n_full,
         )
         self._observers = Observers()
         self.anchors = AnchorSet(
@@ -112,6 +114,7 @@ class HybridKVCache(KVCache):
             self._anchor_placed,
             self._anchor_demoted,
             victim_in_tier=anchor_victim,
+            worth=self.placement.worth,
         )
         self.subscribe(self.placement)
         for observer in observers:
@@ -378,10 +381,14 @@ class HybridKVCache(KVCache):
     def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
         for evicted in self._observers.anchor_evicted:
             evicted(anchor, cause)
-        self._drop_anchor(anchor)
+        self.anchors.evicted(anchor)
+        self._free_window(anchor)
 
     def _drop_anchor(self, anchor: Anchor) -> None:
         self.anchors.remove(anchor)
+        self._free_window(anchor)
+
+    def _free_window(self, anchor: Anchor) -> None:
         freed = self.tree.drop_window(anchor.node, anchor.uncover())
         for ids in freed:
             self.pools.give_back(ids)

@@ -26,6 +26,12 @@ before its request comes, which would keep the share low however useful the kind
 node keys of the latest `ghost_capacity` speculative anchors evicted before serving are
 remembered, and a later request whose prompt passes one of them past its hit counts as the
 serve it missed.
+
+What an anchor is worth per block it keeps (`worth`, which orders the anchors' LRU state): the
+tokens a hit at it reaches beyond the live anchor above it on its path (what it alone makes
+hittable; a demoted anchor above goes first, so it does not count), times the share of its
+kind that serves, per block of its window and of that Full KV. A grid point between two anchors is worth little; the last anchor of a long conversation is
+worth nearly its kind's share per Full block; so a grid thins out where branches are rare.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ from typing import Any
 from vllm_mimo.block_manager.anchors import PASSED_KINDS, SPECULATIVE_KINDS, Anchor, AnchorDecision, AnchorKind
 from vllm_mimo.block_manager.base import AnchorPolicy, EvictionCause
 from vllm_mimo.block_manager.prefix_tree import Node
+
+WORTH_REACH = 64
+"""Positions `AnchorPlacement.worth` looks back for the anchor above (past it, an anchor's worth
+per block hardly grows: its own Full KV outweighs its window)."""
 
 USEFUL_SHARE = 0.25
 """Below this share of anchors that served a hit (or would have: see the module docstring), a
@@ -90,8 +100,12 @@ class AnchorPlacement(AnchorPolicy):
         hot_prefix_min_hits: int,
         ghost_capacity: int,
         only_where: Callable[[Node, AnchorKind], bool] | None = None,
+        window_cost: int = 1,
+        full_blocks_per_position: int = 1,
     ) -> None:
         self.block_size = block_size
+        self.window_cost = window_cost
+        self.full_blocks_per_position = full_blocks_per_position
         self.grid_blocks = grid_tokens // block_size
         self.hot_prefix_min_hits = hot_prefix_min_hits
         self.ghost_capacity = ghost_capacity
@@ -112,6 +126,20 @@ class AnchorPlacement(AnchorPolicy):
 
     def starts_demoted(self, kind: AnchorKind) -> bool:
         return kind in SPECULATIVE_KINDS and self.usefulness(kind) < USEFUL_SHARE
+
+    def worth(self, anchor: Anchor) -> float:
+        """Hit tokens per block kept (see the module docstring): a speculative kind's
+        `usefulness`, the others 1, times the tokens between the live (not demoted) anchor
+        above (looking back at most `WORTH_REACH` positions) and this one, per block of window
+        and Full KV there."""
+        share = max(self.usefulness(kind) if kind in SPECULATIVE_KINDS else 1.0 for kind in anchor.kinds)
+        node, gain = anchor.node, 0
+        while gain < WORTH_REACH:
+            node = node.parent
+            gain += 1
+            if node.depth < 0 or (node.anchor is not None and not node.anchor.demoted):
+                break
+        return share * gain * self.block_size / (self.window_cost + self.full_blocks_per_position * gain)
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         self.created[kind] += 1
