@@ -30,8 +30,9 @@ serve it missed.
 What an anchor is worth per block it keeps (`worth`, which orders the anchors' LRU state): the
 tokens a hit at it reaches beyond the live anchor above it on its path (what it alone makes
 hittable; a demoted anchor above goes first, so it does not count), times the share of its
-kind that serves, per block of its window and of that Full KV. A grid point between two anchors is worth little; the last anchor of a long conversation is
-worth nearly its kind's share per Full block; so a grid thins out where branches are rare.
+kind that serves, per block of its window and of that Full KV. A grid point between two
+anchors is worth little; the last anchor of a long conversation is worth more; so a grid thins
+out where branches are rare.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ from vllm_mimo.block_manager.base import AnchorPolicy, EvictionCause
 from vllm_mimo.block_manager.prefix_tree import Node
 
 WORTH_REACH = 64
-"""Positions `AnchorPlacement.worth` looks back for the anchor above (past it, an anchor's worth
-per block hardly grows: its own Full KV outweighs its window)."""
+"""Positions `AnchorPlacement.worth` looks back for the anchor above; it also bounds the walk per
+call. 64 (1,024 tokens at 16-token blocks) was measured against 128 and 256: eval/RESULTS.md,
+issue 18."""
 
 USEFUL_SHARE = 0.25
 """Below this share of anchors that served a hit (or would have: see the module docstring), a
