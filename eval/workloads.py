@@ -86,6 +86,15 @@ class _Keys:
         self._next += 1
         return Segment(self._next, int(self.rng.integers(low, high + 1)))
 
+    def blocks(self, length: int) -> tuple[Segment, ...]:
+        """`length` fresh tokens as Mooncake-style 512-token blocks (the last one partial)."""
+        out = []
+        while length > 0:
+            self._next += 1
+            out.append(Segment(self._next, min(MOONCAKE_BLOCK, length)))
+            length -= MOONCAKE_BLOCK
+        return tuple(out)
+
 
 def shared_system_prompt(seed: int, scale: float = 1.0, start_s: float = 0.0, keys: _Keys | None = None) -> list[ReplayRequest]:
     keys = keys or _Keys(seed)
@@ -139,16 +148,6 @@ def one_shot(seed: int, scale: float = 1.0, keys: _Keys | None = None, span_s: f
     ]
 
 
-def _blocks(keys: _Keys, length: int) -> tuple[Segment, ...]:
-    """`length` fresh tokens as Mooncake-style 512-token blocks (the last one partial)."""
-    out = []
-    while length > 0:
-        keys._next += 1
-        out.append(Segment(keys._next, min(MOONCAKE_BLOCK, length)))
-        length -= MOONCAKE_BLOCK
-    return tuple(out)
-
-
 def long_conversations(seed: int, scale: float = 1.0, shared_share: float = 0.0) -> list[ReplayRequest]:
     """Many long multi-turn conversations, shaped like public Mooncake conversation traces: a
     first prompt of 5-12K tokens (a pasted document or code), then turns that each add 300-3,000
@@ -163,7 +162,7 @@ def long_conversations(seed: int, scale: float = 1.0, shared_share: float = 0.0)
     one of eight shared 1-4K-token system prompts (Zipf); the rest start fresh."""
     keys = _Keys(seed + 71)
     rng = keys.rng
-    systems = [_blocks(keys, int(rng.integers(2, 9)) * MOONCAKE_BLOCK) for _ in range(8)]
+    systems = [keys.blocks(int(rng.integers(2, 9)) * MOONCAKE_BLOCK) for _ in range(8)]
     popularity = 1.0 / np.arange(1, len(systems) + 1)
     popularity /= popularity.sum()
     requests = []
@@ -177,7 +176,7 @@ def long_conversations(seed: int, scale: float = 1.0, shared_share: float = 0.0)
                 start = start[:-1] or earlier[:1]
         else:
             start = systems[int(rng.choice(len(systems), p=popularity))] if rng.random() < shared_share else ()
-        prompt = start + _blocks(keys, max(MOONCAKE_BLOCK, int(rng.integers(5_000, 12_000)) - sum(s.length for s in start)))
+        prompt = start + keys.blocks(max(MOONCAKE_BLOCK, int(rng.integers(5_000, 12_000)) - sum(s.length for s in start)))
         target = int(rng.integers(12_000, 30_000))
         arrival = t
         while True:
@@ -188,7 +187,7 @@ def long_conversations(seed: int, scale: float = 1.0, shared_share: float = 0.0)
                 break
             whole = prompt if prompt[-1].length == MOONCAKE_BLOCK else prompt[:-1]
             carried = length - sum(s.length for s in whole)
-            prompt = whole + _blocks(keys, carried + int(rng.integers(300, 3_000)))
+            prompt = whole + keys.blocks(carried + int(rng.integers(300, 3_000)))
             arrival += float(rng.uniform(20, 90))
     return requests
 
