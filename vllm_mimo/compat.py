@@ -69,3 +69,76 @@ def vllm_version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "unknown")
+
+
+_LAZY = {
+    # The MTP drafter (vllm_mimo.spec_decode): model-side and worker-side internals, imported
+    # on first use so the scheduler side and the replay tools do not load model code.
+    "LogitsProcessor": ("vllm.model_executor.layers.logits_processor", "LogitsProcessor"),
+    "ParallelLMHead": ("vllm.model_executor.layers.vocab_parallel_embedding", "ParallelLMHead"),
+    "VocabParallelEmbedding": ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
+    "maybe_prefix": ("vllm.model_executor.models.utils", "maybe_prefix"),
+    "MiMoV2MTP": ("vllm.model_executor.models.mimo_v2_mtp", "MiMoV2MTP"),
+    "MiMoV2MTPLayers": ("vllm.model_executor.models.mimo_v2_mtp", "_MiMoV2MTPLayers"),
+    "MiMoV2MultiTokenPredictor": ("vllm.model_executor.models.mimo_v2_mtp", "MiMoV2MultiTokenPredictor"),
+    "Step3p5MTPProposer": ("vllm.v1.spec_decode.step3p5", "Step3p5MTPProposer"),
+    "EagleProposer": ("vllm.v1.spec_decode.eagle", "EagleProposer"),
+    "CommonAttentionMetadata": ("vllm.v1.attention.backend", "CommonAttentionMetadata"),
+    "set_forward_context": ("vllm.forward_context", "set_forward_context"),
+    "SpeculativeConfig": ("vllm.config.speculative", "SpeculativeConfig"),
+    "ModelRegistry": ("vllm.model_executor.models.registry", "ModelRegistry"),
+}
+
+
+def __getattr__(name: str):  # PEP 562: the lazy names above
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+class _AfterImport:
+    """A `sys.meta_path` finder that runs callbacks right after one module is executed."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+        self.callbacks: list = []
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None):  # noqa: ANN201
+        if fullname != self.module:
+            return None
+        import importlib.util
+        import sys
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, callbacks = spec.loader.exec_module, self.callbacks
+
+        def run(module):  # noqa: ANN001, ANN202
+            exec_module(module)
+            for callback in callbacks:
+                callback(module)
+
+        spec.loader.exec_module = run  # type: ignore[method-assign]
+        return spec
+
+
+def when_imported(module: str, callback) -> None:  # noqa: ANN001
+    """Run `callback(module)` once `module` is imported: now if it is, else right after its
+    import. For worker-side internals that the front-end and scheduler processes never load."""
+    import sys
+
+    if module in sys.modules:
+        callback(sys.modules[module])
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport) and f.module == module), None)
+    if finder is None:
+        finder = _AfterImport(module)
+        sys.meta_path.insert(0, finder)
+    finder.callbacks.append(callback)

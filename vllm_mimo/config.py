@@ -126,6 +126,15 @@ class MimoConfig:
             max=1_000_000,
         ),
     )
+    mtp_all_layers: bool = field(
+        default=True,
+        metadata=_key(
+            "With MTP speculative decoding on a MiMo checkpoint (speculative_config method "
+            '"mtp"), draft token k with MTP layer k, every layer warmed over the prompt, as '
+            "MiMo's MTP layers are trained; num_speculative_tokens is then 1..the checkpoint's "
+            "MTP layers. false: vLLM's drafter (MTP layer 0 for every draft token).",
+        ),
+    )
 
     @classmethod
     def keys(cls) -> dict[str, dataclasses.Field]:

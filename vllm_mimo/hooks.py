@@ -52,8 +52,11 @@ def install() -> None:
         __post_init__._vllm_mimo_hook = True  # type: ignore[attr-defined]
         VllmConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
     from vllm_mimo.metrics import register_collector
+    from vllm_mimo.spec_decode import cpu_expand, setup
 
     register_collector()
+    setup.install()
+    cpu_expand.install()
     _validate_anchor_hints_on_input()
     _registered_in_pid = os.getpid()
 
@@ -109,6 +112,9 @@ def configure(vllm_config: Any) -> None:
             model_config.architecture,
         )
         return
+    from vllm_mimo.spec_decode import setup
+
+    setup.configure(vllm_config, config.mtp_all_layers)
     scheduler_config = vllm_config.scheduler_config
     if scheduler_config.scheduler_cls in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
         return  # a config rebuilt from one this hook already configured

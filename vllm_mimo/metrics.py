@@ -68,6 +68,11 @@ _COUNTERS = {
     "recomputed_swa_tokens": "Tokens whose SWA KV was recomputed while the Full layers had them.",
     "prefill_steps_cut": "Steps whose prefill was held back to what the KV pools could take.",
 }
+_SPEC_COUNTERS = {
+    "drafts": "Target steps that verified drafts, by output bucket (where the step starts).",
+    "draft_tokens": "Draft tokens verified, by output bucket.",
+    "accepted_tokens": "Draft tokens accepted, by output bucket.",
+}
 _POOL_GAUGES = {
     "blocks": "KV blocks whose home is this pool.",
     "used_blocks": "KV blocks this pool holds (running requests and cache).",
@@ -108,6 +113,35 @@ class MimoCollector:
             fam = family(GaugeMetricFamily, name, doc)
             for s in snapshots:
                 fam.add_metric([s["model_name"], str(s["engine"])], s[name])
+            yield fam
+        with_spec = [s for s in snapshots if s.get("spec_decode")]
+        if with_spec:
+            for name, doc in _SPEC_COUNTERS.items():
+                fam = family(CounterMetricFamily, f"spec_decode_{name}", doc, ["bucket"])
+                for s in with_spec:
+                    for bucket, values in s["spec_decode"].items():
+                        fam.add_metric([s["model_name"], str(s["engine"]), bucket], values[name])
+                yield fam
+            fam = family(
+                CounterMetricFamily,
+                "spec_decode_accepted_tokens_per_pos",
+                "Steps whose draft token at this position was accepted, by output bucket.",
+                ["bucket", "position"],
+            )
+            for s in with_spec:
+                for bucket, values in s["spec_decode"].items():
+                    for pos, n in enumerate(values["accepted_per_position"]):
+                        fam.add_metric([s["model_name"], str(s["engine"]), bucket, str(pos)], n)
+            yield fam
+            fam = family(
+                GaugeMetricFamily,
+                "spec_decode_mean_accepted_length",
+                "Tokens per verified step (accepted drafts + 1), by output bucket.",
+                ["bucket"],
+            )
+            for s in with_spec:
+                for bucket, values in s["spec_decode"].items():
+                    fam.add_metric([s["model_name"], str(s["engine"]), bucket], values["mean_accepted_length"])
             yield fam
         for table, cls in ((_POOL_GAUGES, GaugeMetricFamily), (_POOL_COUNTERS, CounterMetricFamily)):
             for name, doc in table.items():

@@ -11,12 +11,17 @@ from collections.abc import Callable
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.engine.step_budget import StepBudget
 from vllm_mimo.metrics import snapshot_path
+from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
 
 _PUBLISH_INTERVAL_S = 0.25
 
 
 def manager_snapshot(
-    manager: HybridKVCacheManager, step_budget: StepBudget | None, model_name: str, engine_index: int
+    manager: HybridKVCacheManager,
+    step_budget: StepBudget | None,
+    acceptance: AcceptanceByBucket | None,
+    model_name: str,
+    engine_index: int,
 ) -> dict:
     """Everything `/metrics` shows for one engine."""
     metrics, pools, size = manager.metrics, manager.cache.pools, manager.cache.size_info()
@@ -35,6 +40,7 @@ def manager_snapshot(
         "anchors_evicted": dict(metrics.anchors_evicted),
         "anchors": size.anchors,
         "anchor_blocks": size.anchor_swa,
+        "spec_decode": acceptance.snapshot() if acceptance is not None else {},
         "pools": {
             pool: {
                 "blocks": pools.home_size[i],

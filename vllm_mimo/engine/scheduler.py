@@ -24,6 +24,7 @@ from vllm_mimo.engine.publisher import SnapshotPublisher, manager_snapshot
 from vllm_mimo.engine.step_budget import StepBudget
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
+from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
 
 GIB = 1 << 30
 
@@ -36,6 +37,7 @@ class _MimoSchedulerMixin:
     mimo_manager: HybridKVCacheManager | None = None
     mimo_step_budget: StepBudget | None = None
     _mimo_publisher: SnapshotPublisher | None = None
+    mimo_acceptance: AcceptanceByBucket | None = None
     _mimo_pins_due = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -55,6 +57,8 @@ class _MimoSchedulerMixin:
                 model,
             )
             return
+        if vllm_config.speculative_config is not None:
+            self.mimo_acceptance = AcceptanceByBucket(vllm_config.speculative_config.num_speculative_tokens)
         self._install_manager()
         logger.info(
             "vllm-mimo: hybrid SWA model %s: %s; %d KV cache groups; features on: %s",
@@ -74,6 +78,10 @@ class _MimoSchedulerMixin:
             features += ["hybrid-kv-manager", "separate-pools", "swa-anchors"]
             if self.mimo_step_budget is not None:
                 features.append("memory-aware-prefill")
+        if self.mimo_layout is not None and self.mimo_layout.draft_layers > 1:
+            features.append(f"mtp-all-layers ({self.mimo_layout.draft_layers} layers)")
+        if self.mimo_acceptance is not None:
+            features.append("acceptance-by-bucket")
         return features
 
     def _install_manager(self) -> None:
@@ -196,10 +204,29 @@ class _MimoSchedulerMixin:
             lambda: manager_snapshot(
                 self.mimo_manager,
                 self.mimo_step_budget,
+                self.mimo_acceptance,
                 vllm_config.model_config.served_model_name,
                 vllm_config.parallel_config.data_parallel_rank,
             ),
             force=force,
+        )
+
+    def make_spec_decoding_stats(
+        self,
+        spec_decoding_stats: Any,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        num_invalid_spec_tokens: dict[str, int] | None,
+        request_id: str,
+    ) -> Any:
+        # vLLM calls this for every step that verified drafts, before the step's tokens are
+        # appended: the request's output tokens so far are where the step starts.
+        request = self.requests.get(request_id)  # type: ignore[attr-defined]
+        if self.mimo_acceptance is not None and request is not None and num_draft_tokens:
+            drafts = num_draft_tokens - (num_invalid_spec_tokens or {}).get(request_id, 0)
+            self.mimo_acceptance.observe(request.num_output_tokens, drafts, num_accepted_tokens)
+        return super().make_spec_decoding_stats(  # type: ignore[misc]
+            spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id
         )
 
     def make_stats(self, *args: Any, **kwargs: Any):
