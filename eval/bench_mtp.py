@@ -14,7 +14,10 @@ position n - P where they start: 0-128, 128-256, 256+. Drafters:
   as vLLM's V1 runner does for layer 0);
 - `distinct k=3 warm`: ours, MTP layer m for draft step m, every layer run over the prompt;
 - `distinct k=3 cold`: the same drafter with no KV over the prompt (an exact mask: a switch of
-  this benchmark, not of the plugin).
+  this benchmark, not of the plugin);
+- `distinct k=3 blind`: the same drafter with no KV but its own slot, at every step: what the
+  MTP layers make of the target's hidden state alone. Warm over blind is what the drafter's own
+  KV is worth; cold rebuilds it from the output tokens as decoding goes on.
 
 It also checks where warm and cold must agree (`eval.mtp_oracle`'s docstring): at every step of
 the warm run past W-1 output tokens, the cold drafts at the same n are computed; draft position t
@@ -41,13 +44,15 @@ from vllm_mimo.spec_decode.metrics import OUTPUT_BUCKETS as BUCKETS
 from vllm_mimo.spec_decode.metrics import bucket_name, bucket_of
 
 DRAFTERS = (
-    ("reuse k=1", "reuse", 1, False),
-    ("reuse k=2", "reuse", 2, False),
-    ("reuse k=3", "reuse", 3, False),
-    ("distinct k=3 warm", "distinct", 3, False),
-    ("distinct k=3 cold", "distinct", 3, True),
+    ("reuse k=1", "reuse", 1, "warm"),
+    ("reuse k=2", "reuse", 2, "warm"),
+    ("reuse k=3", "reuse", 3, "warm"),
+    ("distinct k=3 warm", "distinct", 3, "warm"),
+    ("distinct k=3 cold", "distinct", 3, "cold"),
+    ("distinct k=3 blind", "distinct", 3, "blind"),
 )
-"""(name, `MtpOracle` method, k, cold)."""
+"""(name, `MtpOracle` method, k, drafter KV: "warm" over everything, "cold" from the prompt's last
+slot on, "blind" only the step's own slot)."""
 
 
 @dataclass
@@ -110,15 +115,15 @@ FINE = 16
 matters, the drafter's own window still reaches into the prompt."""
 
 
-def run_sequence(oracle, prompt: int, continuation: int, method: str, k: int, cold: bool, stats: dict,
+def run_sequence(oracle, prompt: int, continuation: int, method: str, k: int, context: str, stats: dict,
                  agreement: Agreement | None, fine: dict | None = None) -> None:
     """Teacher-forced steps over one sequence; adds to `stats` (bucket -> BucketStats) and to
     `fine` (FINE-token slice of the first bucket -> BucketStats)."""
     x, w = oracle.x, oracle.window
     draft = getattr(oracle, method)
-    floor = prompt - 1 if cold else 0
     n = prompt
     while n - prompt < continuation:
+        floor = {"warm": 0, "cold": prompt - 1, "blind": n - 1}[context]
         drafts = draft(n, k, floor)
         accepted = 0
         while accepted < k and drafts[accepted] == int(x[n + accepted + 1]):
@@ -153,9 +158,9 @@ def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences:
         t0 = time.time()
         for i, seq in enumerate(seqs):
             oracle = MtpOracle(model, seq)
-            for name, method, k, cold in DRAFTERS:
-                check = agreement if (method == "distinct" and not cold) else None
-                run_sequence(oracle, prompt, continuation, method, k, cold, stats[name], check, fine[name])
+            for name, method, k, context in DRAFTERS:
+                check = agreement if (method == "distinct" and context == "warm") else None
+                run_sequence(oracle, prompt, continuation, method, k, context, stats[name], check, fine[name])
             if not quiet:
                 print(f"  prompt {prompt}: sequence {i + 1}/{len(seqs)} ({time.time() - t0:.0f} s)", file=sys.stderr)
         results[str(prompt)] = {
@@ -168,9 +173,11 @@ def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences:
 
 
 def ratios(drafters: dict) -> dict:
-    """Per bucket: ours warm / reuse k=3 and warm / cold, on accepted tokens per target step."""
+    """Per bucket: ours warm / reuse k=3, warm / cold and warm / blind, on accepted tokens per
+    target step."""
     out = {}
     warm, cold, reuse = drafters["distinct k=3 warm"], drafters["distinct k=3 cold"], drafters["reuse k=3"]
+    blind = drafters["distinct k=3 blind"]
     for b in warm:
         def per_step(d: dict) -> float:
             return d[b]["accepted_per_step"]
@@ -178,6 +185,7 @@ def ratios(drafters: dict) -> dict:
         out[b] = {
             "warm_over_reuse_k3": per_step(warm) / per_step(reuse) if per_step(reuse) else None,
             "warm_over_cold": per_step(warm) / per_step(cold) if per_step(cold) else None,
+            "warm_over_blind": per_step(warm) / per_step(blind) if per_step(blind) else None,
         }
     return out
 
@@ -194,7 +202,7 @@ def print_tables(results: dict, sequences: int, continuation: int) -> None:
                 pos = "/".join(f"{a:.2f}" for a in s["acceptance_by_position"])
                 cells.append(f"{s['accepted_per_step']:.3f} ({pos})")
             print(f"{name:<20}" + "".join(f"{c:>28}" for c in cells))
-        for key, label in (("warm_over_reuse_k3", "ours warm / reuse k=3"), ("warm_over_cold", "ours warm / cold")):
+        for key, label in (("warm_over_reuse_k3", "ours warm / reuse k=3"), ("warm_over_cold", "ours warm / cold"), ("warm_over_blind", "ours warm / blind")):
             print(f"{label:<20}" + "".join(f"{r['ratios'][b][key]:>27.3f}x" for b in buckets))
         warm, cold = r["fine"]["distinct k=3 warm"], r["fine"]["distinct k=3 cold"]
         print(

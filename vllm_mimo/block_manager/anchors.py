@@ -171,9 +171,11 @@ class AnchorSet:
         self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
         self._victim_in_tier = victim_in_tier
         self._worth = worth
-        # The LRU state's order: (priority, entry, anchor); an entry is stale once its anchor
-        # left the state or was used again (a newer entry), and is skipped when met.
-        self._heap: list[tuple[float, int, Anchor]] = []
+        # The LRU state's order: (priority, entry, id of the anchor); an entry is stale once its
+        # anchor left the state or was used again (a newer entry), and is skipped when met. The
+        # id, not the anchor: a stale entry must not keep an evicted anchor (and the tree nodes
+        # of its window) alive, which made the garbage collector's passes longer.
+        self._heap: list[tuple[float, int, int]] = []
         self._entries = itertools.count(1)
         self.clock = 0.0
 
@@ -195,16 +197,18 @@ class AnchorSet:
         """An anchor in the LRU state was just used: its priority is the clock plus its worth."""
         anchor.priority = self.clock + self._worth(anchor)
         anchor.entry = next(self._entries)
-        heapq.heappush(self._heap, (anchor.priority, anchor.entry, anchor))
-        if len(self._heap) > 2 * len(self._queues[AnchorState.LRU]) + 64:
-            self._heap = [e for e in self._heap if e[2].entry == e[1] and e[2].state is AnchorState.LRU]
+        heapq.heappush(self._heap, (anchor.priority, anchor.entry, id(anchor)))
+        live = self._queues[AnchorState.LRU]
+        if len(self._heap) > 2 * len(live) + 64:
+            self._heap = [e for e in self._heap if getattr(live.get(e[2]), "entry", None) == e[1]]
             heapq.heapify(self._heap)
 
     def _lru_first(self) -> Anchor | None:
-        heap = self._heap
+        heap, live = self._heap, self._queues[AnchorState.LRU]
         while heap:
-            _, entry, anchor = heap[0]
-            if anchor.entry == entry and anchor.state is AnchorState.LRU:
+            _, entry, key = heap[0]
+            anchor = live.get(key)
+            if anchor is not None and anchor.entry == entry:
                 return anchor
             heapq.heappop(heap)
         return None
