@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from tests.kv_helpers import BLOCK, kv_config, make_request
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet, AnchorState
+from vllm_mimo.block_manager.anchors import PRIOR_REUSE_GAP, Anchor, AnchorKind, AnchorSet, AnchorState
 from vllm_mimo.block_manager.base import ANCHOR_BUDGET, CacheObserver
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout
 from vllm_mimo.block_manager.placement import AnchorHintError, AnchorPlacement, declared_anchors
@@ -259,8 +259,8 @@ def test_live_anchors_go_least_worth_per_block_first_and_age_as_anchors_are_evic
         anchors.add(Anchor(node, AnchorKind.GRID, 1), pinned=False)
     assert [x.node for x in anchors] == [a, c, b]  # least worth first, not least recent
     anchors.evicted(a.anchor)
-    anchors.evicted(anchors.victim())  # c: the clock is now 2
-    assert anchors.clock == 2.0
+    anchors.evicted(anchors.victim())  # c: the clock is now its priority, about 2
+    assert anchors.now() == anchors.clock == pytest.approx(2.0, abs=0.01)
     worth[d.depth], worth[e.depth] = 1.0, 4.0
     for node in (d, e):
         anchors.add(Anchor(node, AnchorKind.GRID, 1), pinned=False)
@@ -268,6 +268,34 @@ def test_live_anchors_go_least_worth_per_block_first_and_age_as_anchors_are_evic
     assert [x.node for x in anchors] == [d, b, e]
     anchors.touch(b.anchor)  # used again: 2 + 5
     assert [x.node for x in anchors] == [d, e, b]
+    anchors.check_integrity()
+
+
+def test_without_evictions_time_moves_the_clock_by_worth_per_reuse_gap():
+    """When nothing is evicted, the clock is time: each use advances it by its worth over the
+    mean uses between an anchor's last use and a hit at it. So a worthy anchor left idle goes
+    first once others were used for about its worth in reuse gaps; GreedyDual's clock alone
+    (no evictions, no inflation) would keep it last for ever."""
+    tree = PrefixTree()
+    idle, busy, other = _chain(tree, 3)
+    worth = {idle.depth: 8.0, busy.depth: 1.0, other.depth: 1.0}
+    anchors = AnchorSet(worth=lambda anchor: worth[anchor.node.depth])
+    for node in (idle, busy, other):
+        anchors.add(Anchor(node, AnchorKind.GRID, 1), pinned=False)
+    assert anchors.reuse_gap() == PRIOR_REUSE_GAP
+    for _ in range(9):  # a hit at `busy` after every 9 uses of `other`: gaps 10, then 9 (8 times)
+        for _ in range(9):
+            anchors.touch(other.anchor)
+        anchors.record_hit(busy.anchor)
+    gap = (PRIOR_REUSE_GAP + 10 + 8 * 9) / 10
+    assert anchors.reuse_gap() == pytest.approx(gap)
+    assert anchors.clock == 0 and anchors.victim() is not idle.anchor
+    uses = 0
+    while anchors.victim() is not idle.anchor and uses < 10 * gap:
+        anchors.touch(anchors.victim())
+        uses += 1
+    # Worth used so far 100 (1 per use); the others' priority is the clock + 1, idle's about 8.
+    assert uses == pytest.approx(7 * gap - 100, abs=3)
     anchors.check_integrity()
 
 

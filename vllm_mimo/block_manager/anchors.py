@@ -19,7 +19,6 @@ hits than it saves (measured in eval/RESULTS.md).
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -70,11 +69,16 @@ class AnchorState(IntEnum):
     DEMOTED_UNSERVED, DEMOTED_SERVED: no longer needed (a session went on from it) or of a kind
         that seldom serves, and it never served a hit / it did (a junction requests came back
         to, where another may fork). The latest demoted is at the front.
-    LRU: live, least worth first: GreedyDual's order, where an anchor's priority is the clock
-        when it was last used (created, hit or released by its last holder) plus its worth per
-        block (`AnchorSet`'s `worth`), and the clock rises to each evicted anchor's priority. So
-        an anchor worth little per block goes before one worth more that was used as long ago,
-        and recency still wins in the end (with equal worths this is least recently used).
+    LRU: live, least worth first: GreedyDual's order. An anchor's priority is the clock when
+        it was last used (created, hit or released by its last holder) plus its worth per block
+        (`AnchorSet`'s `worth`). The clock is the larger of two: GreedyDual's inflation, which
+        rises to each evicted anchor's priority, and time, which advances on each use of an
+        anchor by its worth over the mean number of anchor uses between an anchor's last use
+        and a hit at it (`AnchorSet.reuse_gap`). When evictions are frequent, inflation drives
+        the clock and worth decides; when they are rare, time drives it, and an anchor worth
+        the mean outlives one worth nothing by about one reuse gap. So an anchor worth little
+        per block goes before one worth more that was used as long ago, and recency still wins
+        in the end (with equal worths this is least recently used).
     PINNED: pinned (declared with `pin`, or a prompt pinned at startup); a demoted pinned
         anchor goes to the front of this queue.
     HELD: a shared anchor whose node a running request holds (see the module docstring).
@@ -91,6 +95,10 @@ EVICTION_ORDER = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED, Anch
 """The anchor part of the cache's eviction order (`base.KVCache.evict`)."""
 
 _DEMOTED = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED)
+
+PRIOR_REUSE_GAP = 1000.0
+"""Anchor uses between an anchor's last use and a hit at it, assumed before the first hit (one
+pseudo-observation in `AnchorSet.reuse_gap`). Measured: eval/RESULTS.md, issue 18."""
 
 
 class Anchor:
@@ -111,7 +119,7 @@ class Anchor:
         self.state = AnchorState.LRU  # set by AnchorSet.add
         self.served = False  # whether a hit has ended at it
         self.priority = 0.0  # in the LRU state: the clock when last used plus its worth per block
-        self.entry = 0  # the sequence number of its live entry in the LRU heap
+        self.entry = 0  # when it was last used in the LRU state (anchor uses), its LRU heap entry
 
     def uncover(self) -> list[Node]:
         """The anchor goes: its node and window are no longer its; returns the window (the
@@ -176,8 +184,11 @@ class AnchorSet:
         # id, not the anchor: a stale entry must not keep an evicted anchor (and the tree nodes
         # of its window) alive, which made the garbage collector's passes longer.
         self._heap: list[tuple[float, int, int]] = []
-        self._entries = itertools.count(1)
-        self.clock = 0.0
+        self.uses = 0  # anchor uses so far: the time of the clock
+        self.clock = 0.0  # GreedyDual's inflation
+        self._worth_used = 0.0  # the worths of all uses so far
+        self._gaps = 0.0  # uses between an anchor's last use and a hit at it, summed over hits
+        self._hits = 0
 
     def __len__(self) -> int:
         return sum(map(len, self._queues.values()))
@@ -193,10 +204,22 @@ class AnchorSet:
             return sorted(queue.values(), key=lambda anchor: (anchor.priority, anchor.entry))
         return list(queue.values())
 
+    def reuse_gap(self) -> float:
+        """The mean number of anchor uses between an anchor's last use and a hit at it (with
+        `PRIOR_REUSE_GAP` as one observation)."""
+        return (self._gaps + PRIOR_REUSE_GAP) / (self._hits + 1)
+
+    def now(self) -> float:
+        """The clock (`AnchorState`): the larger of GreedyDual's inflation and time."""
+        return max(self.clock, self._worth_used / self.reuse_gap())
+
     def _used(self, anchor: Anchor) -> None:
         """An anchor in the LRU state was just used: its priority is the clock plus its worth."""
-        anchor.priority = self.clock + self._worth(anchor)
-        anchor.entry = next(self._entries)
+        worth = self._worth(anchor)
+        self._worth_used += worth
+        self.uses += 1
+        anchor.priority = self.now() + worth
+        anchor.entry = self.uses
         heapq.heappush(self._heap, (anchor.priority, anchor.entry, id(anchor)))
         live = self._queues[AnchorState.LRU]
         if len(self._heap) > 2 * len(live) + 64:
@@ -263,7 +286,11 @@ class AnchorSet:
             self._queues[anchor.state].move_to_end(id(anchor))
 
     def record_hit(self, anchor: Anchor) -> None:
-        """A hit ended at `anchor`."""
+        """A hit ended at `anchor`; the uses since its last use in the LRU state count toward
+        `reuse_gap`."""
+        if anchor.entry:
+            self._gaps += self.uses - anchor.entry
+            self._hits += 1
         anchor.served = True
         self.touch(anchor)
 

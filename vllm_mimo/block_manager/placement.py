@@ -32,7 +32,10 @@ tokens a hit at it reaches beyond the live anchor above it on its path (what it 
 hittable; a demoted anchor above goes first, so it does not count), times the share of its
 kind that serves, per block of its window and of that Full KV. A grid point between two
 anchors is worth little; the last anchor of a long conversation is worth more; so a grid thins
-out where branches are rare.
+out where branches are rare. The look-back is capped (`WORTH_REACH`) except from an output
+end: a session's next turn goes on from its whole conversation, and whether sessions come back
+is what the output-end share says; from a prompt tail of a conversation that has ended, an
+uncapped reach would keep it over everything (measured in eval/RESULTS.md, issue 18).
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ from vllm_mimo.block_manager.base import AnchorPolicy, EvictionCause
 from vllm_mimo.block_manager.prefix_tree import Node
 
 WORTH_REACH = 64
-"""Positions `AnchorPlacement.worth` looks back for the anchor above; it also bounds the walk per
-call. 64 (1,024 tokens at 16-token blocks) was measured against 128 and 256: eval/RESULTS.md,
-issue 18."""
+"""Positions `AnchorPlacement.worth` looks back for the anchor above, from any anchor but an
+output end; it also bounds the walk per call. 64 (1,024 tokens at 16-token blocks) was measured
+against 128 and 256: eval/RESULTS.md, issue 18."""
 
 USEFUL_SHARE = 0.25
 """Below this share of anchors that served a hit (or would have: see the module docstring), a
@@ -132,11 +135,12 @@ class AnchorPlacement(AnchorPolicy):
     def worth(self, anchor: Anchor) -> float:
         """Hit tokens per block kept (see the module docstring): a speculative kind's
         `usefulness`, the others 1, times the tokens between the live (not demoted) anchor
-        above (looking back at most `WORTH_REACH` positions) and this one, per block of window
-        and Full KV there."""
+        above (looking back at most `WORTH_REACH` positions, but from an output end without a
+        cap) and this one, per block of window and Full KV there."""
         share = max(self.usefulness(kind) if kind in SPECULATIVE_KINDS else 1.0 for kind in anchor.kinds)
+        reach = anchor.node.depth + 1 if AnchorKind.OUTPUT_END in anchor.kinds else WORTH_REACH
         node, gain = anchor.node, 0
-        while gain < WORTH_REACH:
+        while gain < reach:
             node = node.parent
             gain += 1
             if node.depth < 0 or (node.anchor is not None and not node.anchor.demoted):
