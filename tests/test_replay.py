@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import replay, replay_bound, replay_compare, replay_diagnose
+from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity
 from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
 from vllm_mimo.block_manager.anchors import AnchorKind
 from vllm_mimo.block_manager.base import CacheObserver
@@ -282,3 +282,30 @@ def test_long_conversations_branch_only_on_whole_512_token_blocks(name):
         seen.update(r.prompt[: i + 1] for i in range(len(r.prompt)))
     assert shared > len(requests) / 2
     assert previous_turns(requests) == [None] * len(requests)  # sent at their timestamps
+
+
+def test_sensitivity_replays_both_anchor_orders_at_nearby_budgets(tmp_path, capsys):
+    out = tmp_path / "sensitivity.json"
+    args = ["--workload", "agent-sessions", "--layout", "mimo-v2.5-pro", "--max-requests", "60"]
+    assert replay_sensitivity.main([*args, "--kv-gib", "1.5", "--steps", "1", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    (point,) = data["points"]
+    assert point["budgets"] == [1.485, 1.5, 1.515]
+    runs = {(r["engine"], r["kv_gib"]): r for r in data["runs"]}
+    assert len(runs) == 6
+    for engine in ("mimo", "mimo-lru"):
+        hits = [runs[engine, g]["hit_tokens"] for g in point["budgets"]]
+        summary = point["engines"][engine]
+        assert summary["hit_tokens"] == pytest.approx(sum(hits) / 3)
+        low, high = summary["hit_tokens_spread"]
+        assert low == pytest.approx(min(hits) / hits[1]) and high == pytest.approx(max(hits) / hits[1])
+    # The two orders really differ here (anchors are evicted): the worth is what `mimo-lru` drops.
+    assert any(runs["mimo", g]["hit_tokens"] != runs["mimo-lru", g]["hit_tokens"] for g in point["budgets"])
+    assert point["mimo_over_lru"]["hit_tokens"] == pytest.approx(
+        point["engines"]["mimo"]["hit_tokens"] / point["engines"]["mimo-lru"]["hit_tokens"])
+    assert "mimo ÷ mimo-lru" in capsys.readouterr().out
+    for bad, message in ((["--spread", "0"], "--spread must be in (0, 0.5), got 0.0"),
+                         (["--steps", "0"], "--steps must be >= 1, got 0")):
+        with pytest.raises(SystemExit):
+            replay_sensitivity.main([*args, "--kv-gib", "1.5", *bad])
+        assert message in capsys.readouterr().err

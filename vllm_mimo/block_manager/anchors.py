@@ -97,8 +97,9 @@ EVICTION_ORDER = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED, Anch
 _DEMOTED = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED)
 
 PRIOR_REUSE_GAP = 1000.0
-"""Anchor uses between an anchor's last use and a hit at it, assumed before the first hit (one
-pseudo-observation in `AnchorSet.reuse_gap`). Measured: eval/RESULTS.md, issue 18."""
+"""Anchor uses between an anchor's last use and a hit at it, assumed before the first hit: one
+pseudo-observation in `AnchorSet.reuse_gap`, which the first hits soon outweigh. How the clock
+was chosen: eval/RESULTS.md, issue 18."""
 
 
 class Anchor:

@@ -264,7 +264,8 @@ class KVCache(ABC):
           2. anchors, each with the Full KV only it made reachable (`AnchorState` order):
              demoted anchors that never served a hit, the latest demoted first; then demoted
              anchors that did; then the others, least worth per block first, aged as anchors
-             are evicted (GreedyDual over `AnchorPolicy.worth`); pinned anchors last;
+             are evicted or used (GreedyDual over `AnchorPolicy.worth`, its clock the larger of
+             inflation and time: `anchors.AnchorState`); pinned anchors last;
           3. with `evict_held` (for a request that runs alone), held shared anchors.
 
         Over the anchor budget, anchors go in the order of 2.

@@ -48,9 +48,10 @@ def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_b
 class HybridKVCache(KVCache):
     """Two pools, the dual-index prefix tree and SWA anchors (see the module docstring).
 
-    `anchor_filter` and `anchor_victim` are for measuring tools (`eval.replay_bound`), never
-    for serving: a veto on anchor placements (`AnchorPlacement.only_where`), and a choice of
-    victim among a tier of anchors (`AnchorSet.victim_in_tier`)."""
+    `anchor_filter`, `anchor_victim` and `anchor_worth` are for measuring tools
+    (`eval.replay_bound`, `eval.replay_sensitivity`), never for serving: a veto on anchor
+    placements (`AnchorPlacement.only_where`), a choice of victim among a tier of anchors
+    (`AnchorSet.victim_in_tier`), and an anchor's worth in place of the policy's."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class HybridKVCache(KVCache):
         observers: Iterable[CacheObserver] = (),
         anchor_filter: Callable[[Node, AnchorKind], bool] | None = None,
         anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
+        anchor_worth: Callable[[Anchor], float] | None = None,
     ) -> None:
         self.geometry = geometry
         self.max_model_len = max_model_len
@@ -114,7 +116,7 @@ class HybridKVCache(KVCache):
             self._anchor_placed,
             self._anchor_demoted,
             victim_in_tier=anchor_victim,
-            worth=self.placement.worth,
+            worth=anchor_worth or self.placement.worth,
         )
         self.subscribe(self.placement)
         for observer in observers:
