@@ -272,8 +272,8 @@ def test_live_anchors_go_least_worth_per_block_first_and_age_as_anchors_are_evic
 
 
 def test_without_evictions_time_moves_the_clock_by_worth_per_reuse_gap():
-    """When nothing is evicted, the clock is time: each use advances it by its worth over the
-    mean uses between an anchor's last use and a hit at it. So a worthy anchor left idle goes
+    """When nothing is evicted, the clock is time: the worth of all uses so far over the mean
+    uses between an anchor's last use and a hit at it. So a worthy anchor left idle goes
     first once others were used for about its worth in reuse gaps; GreedyDual's clock alone
     (no evictions, no inflation) would keep it last for ever."""
     tree = PrefixTree()

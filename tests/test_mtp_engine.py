@@ -126,10 +126,13 @@ def test_acceptance_by_bucket_adds_up_to_vllm_counters(greedy_runs):
     assert drafts["0-128"] > 0 and drafts["128-256"] == 0  # 96 output tokens: all steps start in the first bucket
 
 
-@pytest.mark.parametrize("plugin", [True, False], ids=["plugin", "plugin-off-negative-control"])
-def test_sampled_acceptance_is_the_target_probability_of_the_draft(plugin):
-    run = _run({"prompts": _prompts(), "max_tokens": MAX_TOKENS, "k": 1}, plugin=plugin, temperature=0.5)
+def test_sampled_acceptance_is_the_target_probability_of_the_draft():
+    """The negative control is `tests/test_mtp.py::test_vllm_cpu_expand_fallback_is_what_the_fix_replaces`:
+    with the plugin off, vLLM's fallback leaves the expanded temperatures as uninitialized
+    memory, which usually gives 0-4% acceptance but can by chance hold the right values (a
+    fresh-clone run once accepted 0.612 against 0.612 expected), so an engine run without the
+    plugin cannot be relied on to fail."""
+    run = _run({"prompts": _prompts(), "max_tokens": MAX_TOKENS, "k": 1}, plugin=True, temperature=0.5)
     accepted = run["counters"]["vllm:spec_decode_num_accepted_tokens"] / run["counters"]["vllm:spec_decode_num_draft_tokens"]
     probe = run["probe"]
-    correct = probe["all_finite"] and abs(accepted - probe["mean_p_draft"]) < 0.1 and accepted > 0.2
-    assert correct == plugin, (accepted, probe)
+    assert probe["all_finite"] and abs(accepted - probe["mean_p_draft"]) < 0.1 and accepted > 0.2, (accepted, probe)

@@ -72,13 +72,13 @@ class AnchorState(IntEnum):
     LRU: live, least worth first: GreedyDual's order. An anchor's priority is the clock when
         it was last used (created, hit or released by its last holder) plus its worth per block
         (`AnchorSet`'s `worth`). The clock is the larger of two: GreedyDual's inflation, which
-        rises to each evicted anchor's priority, and time, which advances on each use of an
-        anchor by its worth over the mean number of anchor uses between an anchor's last use
-        and a hit at it (`AnchorSet.reuse_gap`). When evictions are frequent, inflation drives
-        the clock and worth decides; when they are rare, time drives it, and an anchor worth
-        the mean outlives one worth nothing by about one reuse gap. So an anchor worth little
-        per block goes before one worth more that was used as long ago, and recency still wins
-        in the end (with equal worths this is least recently used).
+        rises to each evicted anchor's priority, and time: the worth of every anchor use so far
+        over the mean number of anchor uses between an anchor's last use and a hit at it
+        (`AnchorSet.reuse_gap`, learned as hits come). When evictions are frequent,
+        inflation drives the clock and worth decides; when they are rare, time drives it, and
+        an anchor worth the mean outlives one worth nothing by about one reuse gap. So an
+        anchor worth little per block goes before one worth more that was used as long ago,
+        and recency still wins in the end (with equal worths this is least recently used).
     PINNED: pinned (declared with `pin`, or a prompt pinned at startup); a demoted pinned
         anchor goes to the front of this queue.
     HELD: a shared anchor whose node a running request holds (see the module docstring).
