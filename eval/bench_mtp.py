@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from eval.engine_job import run_engine_job as run_job
 from vllm_mimo.spec_decode.metrics import OUTPUT_BUCKETS as BUCKETS
 from vllm_mimo.spec_decode.metrics import bucket_name, bucket_of
 
@@ -323,23 +324,7 @@ def engine_job(job: dict) -> dict:
 
 def run_engine_job(job: dict, env: dict[str, str]) -> dict:
     """`engine_job` in a subprocess (`python -m eval.bench_mtp --engine-job`), with `env` added."""
-    import os
-    import subprocess
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "eval.bench_mtp", "--engine-job"],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if not result:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(result[-1][len("RESULT ") :])
+    return run_job("eval.bench_mtp", job, env)
 
 
 

@@ -1,11 +1,14 @@
 """Replay a workload through upstream vLLM's KVCacheManager and the plugin's, side by side.
 
     python -m eval.replay (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
-        [--engines upstream-r0,upstream-dense,upstream-r512,swa-free,mimo] [--max-requests N]
-        [--max-model-len TOKENS] [--json OUT] [--plot OUT.png]
+        [--engines upstream-r0,upstream-dense,upstream-r512,swa-free,mimo,mimo-stock-attention]
+        [--max-requests N] [--max-model-len TOKENS] [--prefill-chunk TOKENS] [--json OUT] [--plot OUT.png]
 
 No model is loaded. For each KV budget, every engine gets the `KVCacheConfig` vLLM builds for
-the layout at that budget (`swa-free`: the same number of blocks with the SWA groups removed),
+the layout at that budget (`swa-free`: the same number of blocks with the SWA groups removed;
+`mimo`: the plugin with its defaults, window-local SWA attention; `mimo-stock-attention`: the
+plugin on vLLM's stock attention backends, whose prefill chunks need SWA blocks for every
+token),
 real `Request` objects with vLLM's block hasher, and the same scheduling loop: FCFS, running
 requests first, chunked prefill under a token budget, recompute preemption of the newest running
 request, a cap on running requests, decode one token per step, blocks freed at the end; for the
@@ -22,7 +25,9 @@ prefix any earlier request computed); hit tokens (prompt tokens no layer recompu
 tokens (cached by the Full layers, recomputed for want of SWA KV); recomputed prefill tokens
 (every prefill token computed, re-prefills after preemption included); time to first token in
 simulated seconds (mean and p90, from sending to the end of the step that completes the prompt);
-peak blocks held by running requests per pool; mean CPU microseconds per manager call
+peak blocks held by running requests per pool; peak SWA blocks one request held (all SWA
+groups, beyond the windows a window-local allocation keeps for anchors inside a chunk, which
+are reported apart); mean CPU microseconds per manager call
 (`get_computed_blocks`, `allocate_slots`, `free`; the plugin's per-step budget call adds its time
 but is not counted as a call); steps the plugin's cut held back; requests skipped as longer
 than `--max-model-len` (vLLM would reject them), left out of every count.
@@ -60,7 +65,8 @@ from eval.workloads import (
     tokens,
 )
 
-ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo")
+ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo", "mimo-stock-attention")
+PLUGIN_ENGINES = ("mimo", "mimo-stock-attention")
 GIB = 1 << 30
 
 
@@ -75,6 +81,8 @@ class SimParams:
     """A next turn waits for the answer its prompt contains."""
     step_prefill_floor: int = MimoConfig().step_prefill_floor_tokens
     """The plugin scheduler's `step_prefill_floor_tokens` (0: its steps are never cut)."""
+    prefill_chunk: int = MimoConfig().prefill_chunk_tokens
+    """The plugin's `prefill_chunk_tokens`: its cap on one request's chunk per step (0: none)."""
 
 
 @dataclass
@@ -95,6 +103,11 @@ class RunResult:
     skipped_too_long: int = 0
     """Requests of the source not replayed: prompt and output longer than `max_model_len`."""
     peak_blocks: dict = field(default_factory=dict)
+    peak_swa_blocks_per_request: int = 0
+    """The most SWA blocks (all SWA groups) one running request held after a step's allocation,
+    besides `peak_anchor_window_blocks_per_request`."""
+    peak_anchor_window_blocks_per_request: int = 0
+    """The most SWA blocks one window-local allocation kept for anchors inside its chunk."""
     mean_us_per_call: float = 0.0
     sim_seconds: float = 0.0
     ttft_mean_s: float = 0.0
@@ -170,7 +183,7 @@ def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams
 
     vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
     config = kv_cache_config(LAYOUTS[layout_name], kv_bytes, vllm_config)
-    if engine != "mimo":
+    if engine not in PLUGIN_ENGINES:
         retention = {"upstream-r0": 0, "upstream-dense": None, "upstream-r512": 512, "swa-free": 0}[engine]
         config = full_only(config) if engine == "swa-free" else with_retention(config, retention)
     # As the engine core does: groups with different page sizes get different block sizes.
@@ -182,8 +195,10 @@ def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
     )
-    if engine == "mimo":
-        manager = (mimo_factory or HybridKVCacheManager)(config, max_num_running=params.max_running, **common)
+    if engine in PLUGIN_ENGINES:
+        manager = (mimo_factory or HybridKVCacheManager)(
+            config, max_num_running=params.max_running, window_local=engine == "mimo", **common
+        )
     else:
         manager = KVCacheManager(
             config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
@@ -224,12 +239,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_factory)
     # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens,
     # vLLM's long_prefill_token_threshold), which vLLM ignores when one request is alone.
-    plugin_chunk_cap = MimoConfig().prefill_chunk_tokens if engine == "mimo" else 0
+    plugin_chunk_cap = params.prefill_chunk if engine in PLUGIN_ENGINES else 0
     call = _Timed(manager)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(hash_block_size, sha256)
     result = RunResult(engine, kv_gib, num_blocks, requests=len(requests))
-    is_mimo = engine == "mimo"
+    is_mimo = engine in PLUGIN_ENGINES
     # As the plugin's scheduler cuts its steps when memory is short (upstream's are never cut).
     step_budget = StepBudget(manager.cache, params.step_prefill_floor) if is_mimo and params.step_prefill_floor else None
     peak: dict[str, int] = {}
@@ -340,6 +355,11 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         held = _held_blocks(manager, is_mimo)
         for pool, blocks_held in held.items():
             peak[pool] = max(peak.get(pool, 0), blocks_held)
+        if not is_mimo:  # the plugin's manager counts its own (`KVManagerMetrics`)
+            for rid, n in scheduled.items():
+                if n > 1:
+                    swa_held = _upstream_swa_blocks(manager, rid)
+                    result.peak_swa_blocks_per_request = max(result.peak_swa_blocks_per_request, swa_held)
         prefill_tokens = sum(n for rid, n in scheduled.items() if in_prefill[rid])
         result.recomputed_prefill_tokens += prefill_tokens
         now += params.decode_s_per_step + prefill_tokens * params.prefill_s_per_token
@@ -365,7 +385,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         if progress and time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()
             print(
-                f"\r  {engine:<15} {kv_gib:>7.2f} GiB  {finished}/{len(requests)} done  "
+                f"\r  {engine:<22} {kv_gib:>7.2f} GiB  {finished}/{len(requests)} done  "
                 f"sim {now:8.1f}s  wall {last_report - wall0:6.1f}s",
                 end="", file=sys.stderr, flush=True,
             )
@@ -378,6 +398,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         assert m.hit_tokens == result.hit_tokens, (m.hit_tokens, result.hit_tokens)
         result.anchors = {"kept": dict(m.anchors_kept), "evicted": dict(m.anchors_evicted)}
         result.prefill_steps_cut = step_budget.steps_cut if step_budget is not None else 0
+        result.peak_swa_blocks_per_request = m.peak_swa_blocks_per_request
+        result.peak_anchor_window_blocks_per_request = m.peak_anchor_window_blocks_per_request
     result.peak_blocks = peak
     result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
     result.sim_seconds = now
@@ -398,11 +420,23 @@ def _held_blocks(manager, is_mimo: bool) -> dict[str, int]:
     return {"shared": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}
 
 
+def _upstream_swa_blocks(manager, request_id: str) -> int:
+    """Upstream: the SWA blocks (not the null block) one request holds, over all SWA groups."""
+    from vllm_mimo.compat import SlidingWindowSpec
+
+    return sum(
+        sum(1 for block in group.req_to_blocks.get(request_id, ()) if not block.is_null)
+        for group in manager.coordinator.single_type_managers
+        if isinstance(group.kv_cache_spec, SlidingWindowSpec)
+    )
+
+
 def print_table(runs: list[RunResult]) -> None:
     baseline = {r.kv_gib: r for r in runs if r.engine == "upstream-r0"}
     header = (
-        f"{'engine':<15}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
+        f"{'engine':<22}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
         f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'TTFT s':>8}{'p90':>8}{'us/call':>9}{'x r0':>7}{'skipped':>8}"
+        f"{'SWA/req':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -410,10 +444,11 @@ def print_table(runs: list[RunResult]) -> None:
         base = baseline.get(r.kv_gib)
         ratio = f"{r.hit_tokens / base.hit_tokens:6.2f}" if base and base.hit_tokens else "     -"
         print(
-            f"{r.engine:<15}{r.kv_gib:>8.2f}{r.num_blocks:>9}{r.prompt_tokens:>11}{r.ideal_hit_tokens:>11}"
+            f"{r.engine:<22}{r.kv_gib:>8.2f}{r.num_blocks:>9}{r.prompt_tokens:>11}{r.ideal_hit_tokens:>11}"
             f"{r.hit_tokens:>11}{100 * r.hit_ratio:>6.1f}%{100 * r.fraction_of_ideal:>8.1f}%"
             f"{r.pseudo_hit_tokens:>10}{r.recomputed_prefill_tokens:>11}{r.preemptions:>8}"
             f"{r.ttft_mean_s:>8.2f}{r.ttft_p90_s:>8.2f}{r.mean_us_per_call:>9.0f} {ratio}{r.skipped_too_long:>8}"
+            f"{r.peak_swa_blocks_per_request:>8}"
         )
 
 
@@ -513,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
         f"in use, but to no fewer than TOKENS prefill tokens (default: {SimParams.step_prefill_floor}, "
         "the plugin's; 0: never cut; upstream engines are never cut)",
     )
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=SimParams.prefill_chunk, metavar="TOKENS",
+        help="the plugin's prefill_chunk_tokens: its cap on one request's prefill chunk per step "
+        f"when others wait or run (default: {SimParams.prefill_chunk}, the plugin's; 0: none; "
+        "upstream engines have none)",
+    )
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -528,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
     if args.step_prefill_floor < 0:
         parser.error(f"--step-prefill-floor must be >= 0 tokens (0: off), got {args.step_prefill_floor}")
+    if args.prefill_chunk < 0:
+        parser.error(f"--prefill-chunk must be >= 0 tokens (0: no cap), got {args.prefill_chunk}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -539,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     requests, source_name = source.requests, source.name
     params = SimParams(
         max_running=args.max_running, max_model_len=source.max_model_len, closed_loop=not args.open_loop,
-        step_prefill_floor=args.step_prefill_floor,
+        step_prefill_floor=args.step_prefill_floor, prefill_chunk=args.prefill_chunk,
     )
     print(f"replay: {source_name}, {len(requests)} requests, layout {args.layout}, engines {','.join(engines)}", file=sys.stderr)
     ideal = ideal_hits(requests)

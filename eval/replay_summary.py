@@ -5,8 +5,10 @@
 Per (source, budget): ideal hit tokens, upstream's default (retention 0), the best upstream
 setting, swa-free, the plugin, and the ratios the issue asks about: plugin / upstream default,
 plugin / best upstream, plugin / swa-free, pseudo hits as a share of the plugin's hits, mean
-simulated time to first token (plugin / upstream default), and manager CPU microseconds per call
-(plugin / upstream default).
+simulated time to first token (plugin / upstream default), manager CPU microseconds per call
+(plugin / upstream default); and, where the file has the plugin on vLLM's stock attention
+backends (`mimo-stock-attention`), the plugin's hits and mean TTFT over that, and the peak SWA
+blocks one request held (plugin / stock attention).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def summary_rows(path: Path) -> list[str]:
         if "mimo" not in runs:
             continue
         mimo, r0, free = runs["mimo"], runs.get("upstream-r0"), runs.get("swa-free")
+        stock = runs.get("mimo-stock-attention")
         best_name = max((e for e in UPSTREAM if e in runs), key=lambda e: runs[e]["hit_tokens"])
         best = runs[best_name]
 
@@ -43,7 +46,12 @@ def summary_rows(path: Path) -> list[str]:
             f"{ratio(mimo['hit_tokens'], best['hit_tokens'])} | {ratio(mimo['hit_tokens'], free['hit_tokens'])} | "
             f"{100 * mimo['pseudo_hit_tokens'] / max(mimo['hit_tokens'], 1):.1f}% | "
             f"{mimo['ttft_mean_s']:.2f} / {r0['ttft_mean_s']:.2f} | "
-            f"{mimo['mean_us_per_call']:.0f} / {r0['mean_us_per_call']:.0f} |"
+            f"{mimo['mean_us_per_call']:.0f} / {r0['mean_us_per_call']:.0f} | "
+            + (
+                f"{ratio(mimo['hit_tokens'], stock['hit_tokens'])} | {ratio(mimo['ttft_mean_s'], stock['ttft_mean_s'])} | "
+                f"{mimo['peak_swa_blocks_per_request']:,} / {stock['peak_swa_blocks_per_request']:,} |"
+                if stock else "- | - | - |"
+            )
         )
     return rows
 
@@ -54,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         "| workload | KV GiB | ideal | upstream r0 | best upstream | swa-free | plugin | ÷ r0 | "
-        "÷ best upstream | ÷ swa-free | pseudo / hits | TTFT s (plugin / r0) | µs per call (plugin / r0) |"
+        "÷ best upstream | ÷ swa-free | pseudo / hits | TTFT s (plugin / r0) | µs per call (plugin / r0) | "
+        "hits ÷ stock attention | TTFT ÷ stock attention | SWA blocks per request (plugin / stock attention) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for path in args.files:
         for row in summary_rows(path):
             print(row)

@@ -55,6 +55,7 @@ def run_engine(
     sessions: dict | None = None,
     record_block_ids: bool = False,
     expect_failure: bool = False,
+    patch: str | None = None,
 ) -> EngineRun | str:
     """Run `LLM(model)` in a fresh process (see tests/llm_runner.py for the job's fields).
 
@@ -66,6 +67,7 @@ def run_engine(
         "max_tokens": max_tokens,
         "batches": batches or [],
         "record_block_ids": record_block_ids,
+        "patch": patch,
     }
     if sessions is not None:
         job["sessions"] = sessions

@@ -8,6 +8,8 @@ Reads a JSON job on stdin:
   sessions: {"system": [ids], "turns": [[user message ids, ...], ...]}  (optional) multi-turn
             chats: turn k of user u is the previous turn's prompt and answer plus the message
   record_block_ids: true to report every block id the worker's KV groups received
+  patch:    "module:function" called before the engine starts (a negative control's change to
+            the plugin; with VLLM_ENABLE_V1_MULTIPROCESSING=0 it reaches the engine core)
 Prints one line `RESULT {...}`: greedy token ids and cached-token counts per prompt, a report
 from every worker process, the plugin's KV manager metrics and vLLM's preemption count.
 """
@@ -66,6 +68,13 @@ def _prompt(spec):
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
+    if job.get("patch"):
+        import importlib
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        module, function = job["patch"].split(":")
+        getattr(importlib.import_module(module), function)()
     from vllm import LLM, SamplingParams
 
     llm = LLM(job["model"], **job["llm_kwargs"])

@@ -789,3 +789,47 @@ def test_a_trimmed_hit_that_is_not_window_safe_is_refused():
     with pytest.raises(ValueError, match="window-safe hit"):
         m.allocate_slots(again, again.num_tokens - 8 * BLOCK, 8 * BLOCK)  # no window before 8
     m.check_integrity()
+
+
+# ------------------------------------------------------- window-local allocation
+
+
+def _local_manager(window_local: bool, num_blocks: int = 400, **config) -> HybridKVCacheManager:
+    return HybridKVCacheManager(
+        kv_config(num_blocks), 4096, BLOCK, BLOCK, max_num_running=4, window_local=window_local,
+        mimo_config=MimoConfig(**{"grid_anchor_tokens": 0, **config}),
+    )
+
+
+def test_window_local_chunk_gets_swa_blocks_only_for_its_tail():
+    """W = 32 tokens (2 positions of 16): a 160-token chunk holds SWA blocks for the window at
+    its end (what the next chunk reads), not for all 10 positions; the Full blocks are all there."""
+    stock, local = _local_manager(False), _local_manager(True)
+    for m in (stock, local):
+        req = make_request("r", list(range(1, 400)))
+        assert m.allocate_slots(req, 160) is not None
+        m.check_integrity()
+    swa_stock = [ids is not None for ids in stock.cache.requests["r"].swa]
+    swa_local = [ids is not None for ids in local.cache.requests["r"].swa]
+    assert swa_stock == [True] * 10
+    assert swa_local == [False] * 8 + [True] * 2
+    assert local.metrics.peak_swa_blocks_per_request == 2 * 2 < stock.metrics.peak_swa_blocks_per_request == 10 * 2
+    groups = local.get_block_ids("r")
+    assert all(groups[0]) and all(group[:8] == [0] * 8 and all(group[8:]) for group in groups[1:])
+
+
+def test_window_local_keeps_the_windows_of_anchors_inside_a_chunk():
+    """A declared anchor and grid points fall inside one 320-token chunk: their windows keep
+    SWA blocks, so a later sibling hits there exactly as with stock attention."""
+    prompt = list(range(1, 321)) + list(range(2000, 2040))
+    hits = {}
+    for window_local in (False, True):
+        m = _local_manager(window_local, grid_anchor_tokens=8 * BLOCK)
+        first = make_request("a", prompt, extra_args={"mimo": {"anchors": [5 * BLOCK]}})
+        _run(m, first, output=[7] * 4, chunk=320)
+        if window_local:
+            assert m.metrics.peak_anchor_window_blocks_per_request > 0
+        hits[window_local] = [
+            _run(m, make_request(f"s{k}", prompt[: k * BLOCK] + [9000 + k] * 20), output=[1]) for k in (5, 8, 16)
+        ]
+    assert hits[True] == hits[False] == [5 * BLOCK, 8 * BLOCK, 16 * BLOCK]

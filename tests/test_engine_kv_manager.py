@@ -36,24 +36,29 @@ def _six_user_sessions(ids: list[int]) -> dict:
 
 @pytest.fixture(scope="module")
 def sessions(tiny_models, ids):
-    """Six users, one system prompt, three turns each, in a KV cache small enough to preempt."""
+    """Six users, one system prompt, three turns each, in a KV cache small enough to preempt:
+    the plugin's defaults (window-local SWA attention), the plugin on vLLM's stock attention,
+    and the plugin off."""
     job = _six_user_sessions(ids)
     kwargs = {**FP32, "kv_cache_memory_bytes": 144 * 65536, "max_model_len": 1024, "disable_log_stats": False}
+    stock = {"additional_config": {"mimo": {"swa_attention": "stock"}}}
     return {
-        side: run_engine(tiny_models["mimo"], sessions=job, env=env, max_tokens=100, llm_kwargs=kwargs)
-        for side, env in (("on", {}), ("off", OFF))
+        side: run_engine(tiny_models["mimo"], sessions=job, env=env, max_tokens=100, llm_kwargs={**kwargs, **extra})
+        for side, env, extra in (("on", {}, {}), ("stock", {}, stock), ("off", OFF, {}))
     }
 
 
 def test_multi_turn_sessions_under_preemption_give_the_same_tokens(sessions):
-    on, off = sessions["on"], sessions["off"]
+    on, stock, off = sessions["on"], sessions["stock"], sessions["off"]
     assert on.preemptions > 0 and off.preemptions > 0, "the KV budget did not force preemption"
-    assert on.mimo["pools"]["full"]["evicted_blocks"] > 0, "the KV budget did not force eviction"
-    # Preempted requests left resume anchors and came back through them, exactly.
-    assert on.mimo["anchors_kept"].get("resume", 0) > 0 and on.mimo["preempted_hit_tokens"] > 0
-    # Steps were cut to the prefill the pools could take (step_prefill_floor_tokens), exactly too.
-    assert on.mimo["prefill_steps_cut"] > 0
-    assert [[o["ids"] for o in turn] for turn in on.turns] == [[o["ids"] for o in turn] for turn in off.turns]
+    for run in (on, stock):
+        assert run.mimo["pools"]["full"]["evicted_blocks"] > 0, "the KV budget did not force eviction"
+        # Preempted requests left resume anchors and came back through them, exactly.
+        assert run.mimo["anchors_kept"].get("resume", 0) > 0 and run.mimo["preempted_hit_tokens"] > 0
+        assert [[o["ids"] for o in turn] for turn in run.turns] == [[o["ids"] for o in turn] for turn in off.turns]
+    # Steps were cut to the prefill the pools could take (step_prefill_floor_tokens), exactly too
+    # (on stock attention: window-local prefill leaves this budget enough room).
+    assert stock.mimo["prefill_steps_cut"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +118,11 @@ def test_pool_split_that_cannot_hold_one_window_fails_at_startup(tiny_models):
     assert "fewer than one request's window needs" in log
 
 
-@pytest.mark.parametrize("layout", ["mimo", "mimo-flash"])
+@pytest.mark.parametrize("layout", ["mimo-flash"])
 def test_mtp_speculative_decoding_runs_on_the_manager(tiny_models, ids, layout):
     """MiMo's MTP draft layer joins an SWA KV group; hits stop a block short for the drafter
-    (on mimo-flash a 256-token position, as vLLM's own manager stops there too)."""
+    (on mimo-flash a 256-token position, as vLLM's own manager stops there too). On the tiny
+    `mimo` layout: tests/test_window_local.py (MTP on, hits, plugin off, stock and window-local)."""
     prompt = ids[:700]
     batches = [[prompt], [prompt + ids[1000:1200]]]
     spec = {**FP32, "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}

@@ -54,6 +54,20 @@ def test_smoke_run_on_a_small_workload(tmp_path):
         assert 0 <= run["hit_tokens"] <= run["ideal_hit_tokens"] <= run["prompt_tokens"]
         assert run["ttft_mean_s"] > 0 and run["ttft_p90_s"] > 0
     assert set(runs[("mimo", 4.0)]["peak_blocks"]) == {"swa", "full"}
+    # Window-local SWA attention: a prefilling request holds its window, not its chunk.
+    local, stock, r0 = (runs[(e, 4.0)]["peak_swa_blocks_per_request"] for e in ("mimo", "mimo-stock-attention", "upstream-r0"))
+    assert 0 < 5 * local < stock and stock <= r0 and runs[("swa-free", 4.0)]["peak_swa_blocks_per_request"] == 0
+
+
+def test_prefill_chunk_cap(tmp_path, capsys):
+    args = ["--workload", "agent-sessions", "--layout", "mimo-v2.5-pro", "--kv-gib", "1.5",
+            "--max-requests", "30", "--engines", "mimo-stock-attention"]
+    small = _run(tmp_path, *args, "--prefill-chunk", "512")[("mimo-stock-attention", 1.5)]
+    large = _run(tmp_path, *args, "--prefill-chunk", "8192")[("mimo-stock-attention", 1.5)]
+    assert small["peak_swa_blocks_per_request"] < large["peak_swa_blocks_per_request"]
+    with pytest.raises(SystemExit):
+        replay.main([*args, "--prefill-chunk", "-1"])
+    assert "--prefill-chunk must be >= 0" in capsys.readouterr().err
 
 
 def test_the_plugin_replays_a_layout_whose_groups_have_different_block_sizes(tmp_path):
@@ -117,13 +131,14 @@ def test_unknown_layout_and_engine_list_the_known_ones(capsys):
 
 def test_the_plugins_steps_are_cut_when_memory_is_short_as_its_scheduler_cuts_them(tmp_path, capsys):
     args = ["--workload", "agent-sessions", "--layout", "mimo-v2.5-pro", "--kv-gib", "1.5",
-            "--max-requests", "30", "--engines", "swa-free,mimo"]
+            "--max-requests", "30", "--engines", "swa-free,mimo-stock-attention,mimo"]
     timing = {"mean_us_per_call": 0, "wall_seconds": 0}
     cut = {k: run | timing for k, run in _run(tmp_path, *args).items()}  # the plugin's default
     off = {k: run | timing for k, run in _run(tmp_path, *args, "--step-prefill-floor", "0").items()}
     never = {k: run | timing for k, run in _run(tmp_path, *args, "--step-prefill-floor", "8192").items()}
-    assert cut[("mimo", 1.5)]["prefill_steps_cut"] > 0 and off[("mimo", 1.5)]["prefill_steps_cut"] == 0
-    assert cut[("mimo", 1.5)]["sim_seconds"] != off[("mimo", 1.5)]["sim_seconds"]
+    for engine in ("mimo", "mimo-stock-attention"):  # window-local SWA attention or not
+        assert cut[(engine, 1.5)]["prefill_steps_cut"] > 0 and off[(engine, 1.5)]["prefill_steps_cut"] == 0
+        assert cut[(engine, 1.5)]["sim_seconds"] != off[(engine, 1.5)]["sim_seconds"]
     assert cut[("swa-free", 1.5)] == off[("swa-free", 1.5)]  # upstream's manager is never cut
     assert never == off  # a floor of the whole step budget never cuts
     with pytest.raises(SystemExit):
@@ -248,7 +263,7 @@ def test_requests_longer_than_max_model_len_are_skipped_and_counted(tmp_path, ca
     assert replay.main([*args, "--max-model-len", "1024", "--json", str(out), "--quiet"]) == 0
     captured = capsys.readouterr()
     assert "skipping 1 of 3 requests: longer than max_model_len 1024" in captured.err
-    assert captured.out.splitlines()[0].split()[-1] == "skipped"
+    assert captured.out.splitlines()[0].split()[-2] == "skipped"
     data = json.loads(out.read_text())
     assert data["skipped_too_long"] == 1 and data["params"]["max_model_len"] == 1024
     for run in data["runs"]:

@@ -87,16 +87,28 @@ _LAZY = {
     "set_forward_context": ("vllm.forward_context", "set_forward_context"),
     "SpeculativeConfig": ("vllm.config.speculative", "SpeculativeConfig"),
     "ModelRegistry": ("vllm.model_executor.models.registry", "ModelRegistry"),
+    # Window-local SWA attention (vllm_mimo.attention_backends): worker-side only.
+    "AttentionBackendEnum": ("vllm.v1.attention.backends.registry", "AttentionBackendEnum"),
+    "register_backend": ("vllm.v1.attention.backends.registry", "register_backend"),
+    "AttentionType": ("vllm.v1.attention.backend", "AttentionType"),
+    "CPUAttentionBackend": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend"),
+    "CPUAttentionBackendImpl": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl"),
+    "CPUAttentionMetadata": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata"),
+    "CPUAttentionMetadataBuilder": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder"),
+    "custom_ops": ("vllm._custom_ops", None),
+    "vllm_envs": ("vllm.envs", None),
 }
 
 
-def __getattr__(name: str):  # PEP 562: the lazy names above
+def __getattr__(name: str):  # PEP 562: the lazy names above (an attribute, or the module for None)
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
     module, attr = _LAZY[name]
-    value = getattr(importlib.import_module(module), attr)
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
     globals()[name] = value
     return value
 

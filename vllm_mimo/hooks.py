@@ -51,10 +51,12 @@ def install() -> None:
 
         __post_init__._vllm_mimo_hook = True  # type: ignore[attr-defined]
         VllmConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+    from vllm_mimo import attention_backends
     from vllm_mimo.metrics import register_collector
     from vllm_mimo.spec_decode import cpu_expand, setup
 
     register_collector()
+    attention_backends.install()
     setup.install()
     cpu_expand.install()
     _validate_anchor_hints_on_input()
@@ -112,8 +114,10 @@ def configure(vllm_config: Any) -> None:
             model_config.architecture,
         )
         return
+    from vllm_mimo.attention_backends import swa_attention_mode
     from vllm_mimo.spec_decode import setup
 
+    swa_attention_mode(config)  # window-local asked for where it is not supported fails here
     setup.configure(vllm_config, config.mtp_all_layers)
     scheduler_config = vllm_config.scheduler_config
     if scheduler_config.scheduler_cls in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):

@@ -109,7 +109,11 @@ class MimoCollector:
                     fam.add_metric([s["model_name"], str(s["engine"]), kind], value)
             yield fam
         for name, doc in (("anchors", "Live SWA anchors."),
-                          ("anchor_blocks", "SWA blocks kept only by anchors.")):
+                          ("anchor_blocks", "SWA blocks kept only by anchors."),
+                          ("peak_swa_blocks_per_request", "Most SWA blocks one running request held, "
+                           "besides windows kept for anchors inside its prefill chunk."),
+                          ("peak_anchor_window_blocks_per_request", "Most SWA blocks one allocation kept "
+                           "for windows of anchors inside a prefill chunk (window-local SWA attention).")):
             fam = family(GaugeMetricFamily, name, doc)
             for s in snapshots:
                 fam.add_metric([s["model_name"], str(s["engine"])], s[name])

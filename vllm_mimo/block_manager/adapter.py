@@ -70,11 +70,13 @@ class HybridKVCacheManager:
         anchor_filter: Callable[[Node, AnchorKind], bool] | None = None,
         anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
         anchor_worth: Callable[[Anchor], float] | None = None,
+        window_local: bool = False,
         **_vllm_kwargs: Any,
     ) -> None:
         """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block);
         `watermark`: vLLM's `--watermark`, the share of blocks kept free when admitting;
         `observers`: subscribed to the cache's events (after its own metrics);
+        `window_local`: the SWA groups' attention is window-local (`HybridKVCache`);
         `anchor_filter`, `anchor_victim`, `anchor_worth`: see `HybridKVCache` (measuring tools only)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
@@ -107,6 +109,7 @@ class HybridKVCacheManager:
             anchor_filter=anchor_filter,
             anchor_victim=anchor_victim,
             anchor_worth=anchor_worth,
+            window_local=window_local,
         )
         self.geometry = geometry
         self.kv_cache_config = kv_cache_config

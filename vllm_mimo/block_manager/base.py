@@ -108,6 +108,11 @@ class CacheObserver:
     def cached(self, request: Any, nodes: Sequence[Node]) -> None:
         """These positions of a running request entered the tree (or were found there)."""
 
+    def allocated(self, request: Any, swa_blocks: int, anchor_window_blocks: int) -> None:
+        """An allocation for a running request is done: it holds `swa_blocks` SWA blocks (all
+        SWA groups) besides `anchor_window_blocks` kept only for windows of anchors the policy
+        may place inside its chunk (a window-local allocation's)."""
+
     def freed(self, request: Any) -> None:
         """A finished or preempted request let go of its blocks."""
 
@@ -128,11 +133,12 @@ class Observers:
     """The subscribed observers' handlers, per event; a subscriber's handler is listed only
     where it overrides `CacheObserver`'s, so an event nobody wants costs nothing."""
 
-    EVENTS = ("admitted", "cached", "freed", "anchor_placed", "anchor_demoted", "anchor_evicted", "blocks_evicted")
+    EVENTS = ("admitted", "cached", "allocated", "freed", "anchor_placed", "anchor_demoted", "anchor_evicted", "blocks_evicted")
 
     def __init__(self) -> None:
         self.admitted: list = []
         self.cached: list = []
+        self.allocated: list = []
         self.freed: list = []
         self.anchor_placed: list = []
         self.anchor_demoted: list = []
@@ -171,6 +177,13 @@ class AnchorPolicy(CacheObserver, ABC):
         position in `branched`, the parent has just become a branch point."""
 
     @abstractmethod
+    def window_points(self, request: Any, start: int, end: int, junction: int, branched: Sequence[int]) -> set[int]:
+        """Positions in `start`..`end` (exclusive) where the policy may place an anchor while the
+        request computes them (a superset); `junction`: where its cached prefix ends (-1: not
+        admitted in this allocation), `branched`: positions whose parent will become a branch
+        point. A window-local cache keeps SWA KV for the windows ending there."""
+
+    @abstractmethod
     def on_finished(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
         """A request finished with `num_cached` of its positions in the tree."""
 
@@ -195,8 +208,9 @@ class KVCache(ABC):
     `allocate` again for each step's tokens, `cache` what it computed, and `free` it when it
     finishes or is preempted. The cache keeps, per running request, its Full blocks and the
     SWA blocks of its mask (the window before its latest position boundary, plus the
-    positions of its latest step); everything else goes to the tree, kept while an anchor
-    needs it, freed otherwise.
+    positions of its latest step: all of them with stock attention backends, with
+    window-local SWA attention only those read after the step); everything else goes to the
+    tree, kept while an anchor needs it, freed otherwise.
     """
 
     geometry: KVGeometry
@@ -208,6 +222,9 @@ class KVCache(ABC):
     """Positions of SWA KV an anchor keeps: the window before a hit at its node."""
     anchor_budget_blocks: int
     """SWA blocks anchors may keep (`anchor_budget_fraction`)."""
+    window_local: bool
+    """The SWA groups' attention reads a prefill chunk's keys in flight (window-local), so a
+    chunk's positions need SWA blocks only where they are read after its step."""
 
     @property
     @abstractmethod

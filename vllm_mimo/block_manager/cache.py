@@ -2,8 +2,14 @@
 
 Per running request it keeps, for every position, the Full block ids and, inside the SWA mask,
 the SWA block ids: the last W tokens, plus the positions of the tokens scheduled in the
-current step (vLLM's attention backends read a prefill chunk's own keys from the cache).
-Everything older is released: kept in the tree while an anchor covers it, freed otherwise. A
+current step. With stock attention backends (`window_local` false) that is every position of
+a prefill chunk, since they read a chunk's own keys back from the cache. With window-local
+SWA attention (`vllm_mimo.attention_backends`) a chunk's keys are read in flight, so only the
+positions read after the step get SWA blocks: from the window at the chunk's end on (its
+tail, what `_release_out_of_window` keeps) and the windows of anchors the policy may place
+inside the chunk (`anchor_window_positions`); the other positions get none
+(vLLM sees the null block, whose writes the backend drops). Everything older is released:
+kept in the tree while an anchor covers it, freed otherwise. A
 request holds a reference on every tree node of its prefix, so an unreferenced node never has
 a referenced descendant and Full eviction can always go leaf first.
 
@@ -48,6 +54,7 @@ def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_b
 class HybridKVCache(KVCache):
     """Two pools, the dual-index prefix tree and SWA anchors (see the module docstring).
 
+    `window_local`: the SWA groups' attention runs window-locally (see the module docstring).
     `anchor_filter`, `anchor_victim` and `anchor_worth` are for measuring tools
     (`eval.replay_bound`, `eval.replay_sensitivity`), never for serving: a veto on anchor
     placements (`AnchorPlacement.only_where`), a choice of victim among a tier of anchors
@@ -67,8 +74,10 @@ class HybridKVCache(KVCache):
         anchor_filter: Callable[[Node, AnchorKind], bool] | None = None,
         anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
         anchor_worth: Callable[[Anchor], float] | None = None,
+        window_local: bool = False,
     ) -> None:
         self.geometry = geometry
+        self.window_local = window_local
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         # EAGLE/MTP drafting needs the target's hidden states of the last hit position, so a
@@ -201,7 +210,21 @@ class HybridKVCache(KVCache):
 
         end = cdiv(num_slots, bs)
         full_positions, swa_positions = max(0, end - have_full), max(0, end - have_swa)
-        need_full, need_swa = full_positions * n_full, swa_positions * n_swa
+        # Window-local: SWA blocks only from `tail` on and for `windows` (see the module docstring).
+        tail, windows = have_swa, set()
+        if self.window_local and swa_positions:
+            tail = max(have_swa, min(end, self.window_start(total_computed + num_new_tokens)))
+            if tail > have_swa:
+                windows = self.anchor_window_positions(
+                    request,
+                    match.path if state is None else state.nodes,
+                    hit if state is None else state.num_cached,
+                    len(match.path) - 1 if state is None else -1,
+                    have_swa,
+                    tail,
+                )
+        kept_positions = max(0, end - tail) + len(windows)
+        need_full, need_swa = full_positions * n_full, kept_positions * n_swa
         need = need_full + need_swa + headroom
         if whole_request:
             total = cdiv(min(request.num_tokens, self.max_model_len), bs) - have_full
@@ -246,10 +269,13 @@ class HybridKVCache(KVCache):
             raise AssertionError("allocation plan and pools disagree")
         new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
         full = [tuple(new_full[p * n_full : (p + 1) * n_full]) for p in range(full_positions)]
-        swa: list[Blocks | None] = [tuple(new_swa[p * n_swa : (p + 1) * n_swa]) for p in range(swa_positions)]
+        kept = range(have_swa, end) if tail == have_swa else sorted(windows) + list(range(tail, end))
+        swa: list[Blocks | None] = [None] * swa_positions
+        for i, pos in enumerate(kept):
+            swa[pos - have_swa] = tuple(new_swa[i * n_swa : (i + 1) * n_swa])
         state.full.extend(full)
         state.swa.extend(swa)
-        state.step_blocks = swa_positions
+        state.step_blocks = kept_positions
         state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
 
         if admitting:
@@ -257,10 +283,32 @@ class HybridKVCache(KVCache):
             for admitted in self._observers.admitted:
                 admitted(request, hit_tokens, state.nodes)
             self.anchors.apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens))
+        if self._observers.allocated:
+            live = sum(1 for ids in state.swa[state.swa_start :] if ids is not None) - len(windows)
+            for allocated in self._observers.allocated:
+                allocated(request, live * n_swa, len(windows) * n_swa)
         if cache and self.enable_caching:
             self._cache(request, state, min(total_computed + num_new_tokens, request.num_tokens))
         self._enforce_anchor_budget()
         return NewBlocks(full, swa)
+
+    def anchor_window_positions(
+        self, request: Any, nodes: Sequence[Node], num_cached: int, junction: int, start: int, stop: int
+    ) -> set[int]:
+        """The positions in `start`..`stop` (exclusive) a window-local allocation keeps besides
+        its tail: the windows ending where the anchor policy may place an anchor as the step's
+        positions are cached (`AnchorPolicy.window_points`). `nodes`, `num_cached`, `junction`:
+        the request's prefix in the tree, its positions already cached, and where its cached
+        prefix ends when it is being admitted (-1 otherwise)."""
+        hashed = len(request.block_hashes) // self.hash_stride
+        branched: list[int] = []
+        if hashed > num_cached:
+            keys = position_hashes(request.block_hashes, self.hash_stride, hashed)[num_cached:hashed]
+            branched = self.tree.branch_points(nodes, keys, num_cached)
+        windows: set[int] = set()
+        for point in self.placement.window_points(request, start, stop + self.anchor_window_blocks, junction, branched):
+            windows.update(range(max(start, point - self.anchor_window_blocks + 1), min(stop, point + 1)))
+        return windows
 
     # ------------------------------------------------------------------ caching
 
@@ -294,17 +342,20 @@ class HybridKVCache(KVCache):
             self._release_out_of_window(state, num_computed_tokens)
 
     def _release_out_of_window(self, state: RequestBlocks, processed_tokens: int) -> None:
-        """Release SWA blocks outside the window that ends at the last position boundary.
-
-        That is at most one position more than the running queries read, and it means the
-        request always holds the SWA KV an anchor at its latest boundary needs.
-        """
-        bs = self.block_size
-        first_needed = max(0, processed_tokens // bs * bs - self.geometry.window + 1) // bs
-        first_needed = max(0, first_needed - (self.anchor_window_blocks - self.window_blocks))
+        """Release SWA blocks before `window_start`."""
+        first_needed = self.window_start(processed_tokens)
         if first_needed > state.swa_start:
             self._release_swa(state, min(first_needed, len(state.swa)))
             state.swa_start = first_needed
+
+    def window_start(self, processed_tokens: int) -> int:
+        """The first position of the SWA window a request keeps once it has processed
+        `processed_tokens`: the window that ends at the last position boundary (at most one
+        position more than its next queries read, so it holds the SWA KV an anchor at that
+        boundary needs), one position more with EAGLE/MTP."""
+        bs = self.block_size
+        first_needed = max(0, processed_tokens // bs * bs - self.geometry.window + 1) // bs
+        return max(0, first_needed - (self.anchor_window_blocks - self.window_blocks))
 
     def _release_swa(self, state: RequestBlocks, stop: int) -> None:
         """Let go of the request's SWA blocks of positions below `stop`: those it shares with
@@ -441,7 +492,7 @@ class HybridKVCache(KVCache):
             live = 0
             for pos, ids in enumerate(state.swa):
                 if ids is None:
-                    assert pos < state.swa_start or pos >= len(state.full), (rid, pos)
+                    assert self.window_local or pos < state.swa_start or pos >= len(state.full), (rid, pos)
                     continue
                 live += 1
                 assert pos >= state.swa_start, (rid, pos)

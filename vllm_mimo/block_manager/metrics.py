@@ -36,6 +36,12 @@ class KVManagerMetrics(CacheObserver):
     """Anchors evicted (budget or pool pressure), by kind."""
     evicted_blocks: list[int] = field(default_factory=lambda: [0, 0])
     """Cached blocks evicted, per pool (SWA, Full)."""
+    peak_swa_blocks_per_request: int = 0
+    """The most SWA blocks (all SWA groups) one running request held after an allocation,
+    besides those kept only for anchor windows inside its chunk: its window, and with stock
+    attention its whole prefill chunk."""
+    peak_anchor_window_blocks_per_request: int = 0
+    """The most SWA blocks one window-local allocation kept for anchor windows inside a chunk."""
 
     def admitted(self, request: Any, hit_tokens: int, path: Sequence[Node]) -> None:
         if request.num_preemptions:
@@ -47,6 +53,10 @@ class KVManagerMetrics(CacheObserver):
         self.full_cached_tokens += full_tokens
         self.pseudo_hit_tokens += full_tokens - hit_tokens
         self.recomputed_swa_tokens += full_tokens - hit_tokens
+
+    def allocated(self, request: Any, swa_blocks: int, anchor_window_blocks: int) -> None:
+        self.peak_swa_blocks_per_request = max(self.peak_swa_blocks_per_request, swa_blocks)
+        self.peak_anchor_window_blocks_per_request = max(self.peak_anchor_window_blocks_per_request, anchor_window_blocks)
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         self.anchors_kept[kind.value] += 1

@@ -175,6 +175,40 @@ class AnchorPlacement(AnchorPolicy):
             return decisions
         return [d for d in decisions if d.demote or self.only_where(d.node, d.kind)]
 
+    def _ends(self, request: Any) -> dict[int, tuple[AnchorKind, bool]]:
+        """Anchors a request asks for by where they end (position counts): its declared
+        positions and its prompt's end, with their kind and pin flag."""
+        positions, pinned = declared_anchors(getattr(request.sampling_params, "extra_args", None))
+        ends = {p // self.block_size: (AnchorKind.DECLARED, pinned) for p in positions if p // self.block_size}
+        prompt_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        if prompt_blocks:
+            ends.setdefault(prompt_blocks, (AnchorKind.PROMPT_END, False))
+        return ends
+
+    def _grid_points(self, request: Any, start: int, end: int) -> range | tuple[()]:
+        """Grid points (position counts) caching positions `start`..`end` of the request
+        passes: every `grid_anchor_tokens` of its prompt."""
+        grid = self.grid_blocks
+        if not grid:
+            return ()
+        prompt_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        return range(-(-(start + 1) // grid) * grid, min(end, prompt_blocks) + 1, grid)
+
+    def window_points(self, request: Any, start: int, end: int, junction: int, branched: Sequence[int]) -> set[int]:
+        """Positions in `start`..`end` (exclusive) where this policy may place an anchor while
+        the request computes them: its grid points and asked-for ends, `junction` (where its
+        cached prefix ends, a hot prefix once enough requests stop there; -1 for none), and
+        the nodes before `branched` positions (see `on_cached`). A superset of what
+        `on_admitted` and `on_cached` place there; a window-local cache keeps the SWA KV of
+        the windows ending at these positions, which it does not keep for other positions a
+        prefill chunk passes."""
+        points = {p - 1 for p in self._grid_points(request, start, end)}
+        points.update(p - 1 for p in self._ends(request) if start < p <= end)
+        points.update(p - 1 for p in branched)
+        if start <= junction < end:
+            points.add(junction)
+        return {p for p in points if start <= p < end}
+
     def on_hit(self, anchor: Anchor, goes_on: bool) -> Sequence[AnchorDecision]:
         if not anchor.served:
             self.served.update(anchor.kinds)
@@ -198,12 +232,8 @@ class AnchorPlacement(AnchorPolicy):
                 junction.hit_count += 1
                 if junction.hit_count >= self.hot_prefix_min_hits:
                     decisions.append(AnchorDecision(junction, AnchorKind.HOT))
-        positions, pinned = declared_anchors(getattr(request.sampling_params, "extra_args", None))
-        ends = {p // bs: (AnchorKind.DECLARED, pinned) for p in positions if p // bs}
-        if prompt_blocks:
-            ends.setdefault(prompt_blocks, (AnchorKind.PROMPT_END, False))
         due = {}
-        for end, (kind, pin) in ends.items():
+        for end, (kind, pin) in self._ends(request).items():
             if end <= len(nodes):  # already in the tree (hit or pseudo hit)
                 decisions.append(AnchorDecision(nodes[end - 1], kind, pin))
             else:
@@ -218,7 +248,7 @@ class AnchorPlacement(AnchorPolicy):
         due = self._due.get(request.request_id)
         grid = self.grid_blocks
         prompt_blocks = (request.num_prompt_tokens - 1) // self.block_size
-        grid_points = range(-(-(start + 1) // grid) * grid, min(end, prompt_blocks) + 1, grid) if grid else ()
+        grid_points = self._grid_points(request, start, end)
         if not (due or grid_points or branched):
             return _NONE
         branch_at = set(branched)

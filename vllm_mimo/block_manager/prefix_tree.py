@@ -230,6 +230,18 @@ class PrefixTree:
                 node.swa_refs += 1
         return branched, anchored
 
+    def branch_points(self, path: Sequence[Node], keys: Sequence[Any], start: int) -> list[int]:
+        """The positions `add_positions(path, keys, ..., start, ...)` would return as branched,
+        without changing the tree: at most one, where the keys first leave the tree below a
+        node that has one child (past that, every node is new and has none)."""
+        parent = path[-1] if path else self.root
+        for offset, key in enumerate(keys[len(path) - start :]):
+            node = self.nodes.get(key)
+            if node is None:
+                return [len(path) + offset] if len(parent.children) == 1 and parent is not self.root else []
+            parent = node
+        return []
+
     def adopt(self, path: list[Node], hit: int, window_blocks: int, tick: int) -> tuple[list[Blocks | None], list[Node]]:
         """A request admitted with a hit of `hit` positions references every node of `path`
         (the hit and any pseudo hit) and the SWA blocks of the window before the hit. Returns

@@ -40,6 +40,8 @@ def manager_snapshot(
         "anchors_evicted": dict(metrics.anchors_evicted),
         "anchors": size.anchors,
         "anchor_blocks": size.anchor_swa,
+        "peak_swa_blocks_per_request": metrics.peak_swa_blocks_per_request,
+        "peak_anchor_window_blocks_per_request": metrics.peak_anchor_window_blocks_per_request,
         "spec_decode": acceptance.snapshot() if acceptance is not None else {},
         "pools": {
             pool: {

@@ -15,8 +15,10 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_mimo.attention_backends import swa_attention_mode
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
+from vllm_mimo.compat import SlidingWindowSpec
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
 from vllm_mimo.engine.pinning import pin_requests
@@ -69,7 +71,20 @@ class _MimoSchedulerMixin:
         )
         if self.mimo_manager is not None:
             self._log_pools()
+        swa_path = swa_attention_mode(self.mimo_config)
+        logger.info(
+            "vllm-mimo: SWA attention (swa_attention): %s",
+            "; ".join(
+                f"group {gid} ({spec.sliding_window}-token window) {swa_path}"
+                for gid, spec in self._mimo_swa_groups()
+            ),
+        )
         log_startup_warnings()
+
+    def _mimo_swa_groups(self) -> list[tuple[int, Any]]:
+        """(group id, spec) of the KV cache groups of sliding-window layers."""
+        groups = self.kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
+        return [(gid, g.kv_cache_spec) for gid, g in enumerate(groups) if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
 
     def mimo_features(self) -> list[str]:
         """Names of the plugin features running in this engine."""
@@ -78,6 +93,8 @@ class _MimoSchedulerMixin:
             features += ["hybrid-kv-manager", "separate-pools", "swa-anchors"]
             if self.mimo_step_budget is not None:
                 features.append("memory-aware-prefill")
+            if self.mimo_manager.cache.window_local:
+                features.append("window-local-swa")
         if self.mimo_layout is not None and self.mimo_layout.draft_layers > 1:
             features.append(f"mtp-all-layers ({self.mimo_layout.draft_layers} layers)")
         if self.mimo_acceptance is not None:
@@ -105,6 +122,7 @@ class _MimoSchedulerMixin:
                 max_num_running=self.max_num_running_reqs,  # type: ignore[attr-defined]
                 kv_blocks=upstream.block_pool.blocks,
                 watermark=getattr(self.scheduler_config, "watermark", 0.0),  # type: ignore[attr-defined]
+                window_local=swa_attention_mode(self.mimo_config) == "window-local",
             )
         except UnsupportedKVLayout as e:
             logger.warning("vllm-mimo: vLLM's own KV manager stays in place: %s", e)

@@ -3,8 +3,13 @@
 vLLM's stock attention backends read a prefill chunk's keys back from the cache, so every
 prefill token needs blocks of every KV group during its step. When memory is short, a step is
 cut to its decode tokens plus the prefill the pools can take without evicting an anchor still
-in the eviction order's live part, but never below the floor: fewer preemptions and lost
-anchors under pressure, no effect while memory is ample.
+in the eviction order's live part, at one position's blocks of every group per position, but
+never below the floor: fewer preemptions and lost anchors under pressure, no effect while
+memory is ample. With window-local SWA attention a prefill token keeps no SWA blocks past its
+step, yet the cut still counts them: they stand for the room the running requests' later
+chunks and decodes take, which the cut does not reserve otherwise. Counting Full blocks alone
+admitted prefill that the running set could not finish: 3-10x the preemptions and a higher
+TTFT at tight budgets (eval/RESULTS.md, issue 19).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class StepBudget:
         """An estimate of the prefill tokens one step can add without evicting an anchor that
         is not demoted: free blocks, Full blocks no running request holds (some lie under live
         anchors, so it errs high) and the windows of demoted anchors, at one position's blocks
-        of every group per position of tokens."""
+        of every group per position of tokens (see the module docstring)."""
         info = self.cache.size_info()
         blocks = info.free + info.cached_full + info.demoted_anchors * self._anchor_window_ids
         return blocks * self.cache.geometry.block_size // self._ids_per_position

@@ -50,7 +50,7 @@ class ModelSize:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 8192
 
 
 def mimo_hybrid_pattern(num_layers: int) -> list[int]:
@@ -283,7 +283,7 @@ def write_tokenizer(out: Path, tok) -> dict[str, int]:
                 "pad_token": "<|endoftext|>",
                 "unk_token": None,
                 "add_bos_token": False,
-                "model_max_length": 4096,
+                "model_max_length": 8192,
                 "chat_template": CHAT_TEMPLATE,
             },
             indent=2,

@@ -1,0 +1,298 @@
+"""Window-local SWA attention (`vllm_mimo.attention_backends`).
+
+Fast lane: the plan lays every request's window out in scratch; the torch arithmetic (cached
+part and chunk part merged by log-sum-exp, sinks once) against a float64 dense reference,
+with window edges, sinks and q/k and v head sizes that differ; vLLM's CPU kernel run over the
+plan against the same reference; negative controls for both.
+
+Engine lane (float32, the tiny models): greedy tokens with the plugin off and on with
+`window-local` are the same on the `mimo` (MTP drafting on), `mimo-flash` and `gemma3` layouts
+(on `mimo` also on with `stock`: the same tokens, hits and drafts, more SWA blocks), for
+prompts of 100 to 6,000 tokens in 1,000-token steps (chunks larger than, equal to and smaller
+than W, batches mixing decode and prefill), hits at anchors inside earlier chunks (mid-window:
+W = one 128-token block); the manager hands out null blocks inside chunks; a manager that
+keeps one position fewer gives different tokens. Preemption with window-local attention (and
+with `stock`) is in tests/test_engine_kv_manager.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import run_engine
+from tests.prompts import corpus_ids
+from vllm_mimo.attention_backends.plan import mask_null_slots, plan_window_local
+from vllm_mimo.attention_backends.reference import window_local_prefill
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def _plan_case():
+    """Three requests over a 4-token-block cache: a decode, a chunk after a long context, a
+    first chunk; W = 6."""
+    torch.manual_seed(0)
+    bs, window = 4, 6
+    q_lens, seq_lens = [1, 7, 5], [13, 20, 5]
+    table = torch.randperm(40)[:18].reshape(3, 6).to(torch.int32) + 1
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return bs, window, q_lens, seq_lens, table, qsl
+
+
+def test_plan_puts_each_requests_window_and_chunk_in_scratch():
+    bs, window, q_lens, seq_lens, table, qsl = _plan_case()
+    plan = plan_window_local(qsl, torch.tensor(seq_lens, dtype=torch.int32), table, window, bs)
+    cache = torch.arange(41 * bs).reshape(41, bs)  # each slot holds its own cache slot id
+    scratch = torch.full((plan.num_blocks, bs), -1)
+    scratch[plan.copy_dst] = cache[plan.copy_src]
+    marker = 10_000
+    scratch.view(-1)[plan.token_slots] = marker + torch.arange(int(qsl[-1]))
+    for r, (q, n) in enumerate(zip(q_lens, seq_lens)):
+        context = n - q
+        base = int(plan.first_block[r]) * bs
+        assert int(plan.seq_lens[r]) == n - base
+        for pos in range(max(0, context - (window - 1)), n):
+            scratch_slot = int(plan.block_table[r, (pos - base) // bs]) * bs + (pos - base) % bs
+            want = marker + int(qsl[r]) + pos - context if pos >= context else int(table[r, pos // bs]) * bs + pos % bs
+            assert int(scratch.view(-1)[scratch_slot]) == want, (r, pos)
+    # Only blocks inside some window were copied: O(W) per request, not the whole context.
+    assert plan.copy_src.numel() <= sum(math.ceil((window - 1) / bs) + 1 for _ in q_lens)
+
+
+def test_null_block_writes_are_dropped():
+    slots = torch.tensor([0, 5, 15, 16, 40, -1])
+    assert mask_null_slots(slots, 16).tolist() == [-1, -1, -1, 16, 40, -1]
+
+
+# ------------------------------------------------------------ the arithmetic
+
+
+def dense_reference(query, key, value, context, window, scale, sinks=None):
+    """Float64 softmax over every key position 0..context+q-1 with the causal window mask and
+    one sink logit per head: what SWA attention is, computed the plain way."""
+    q, k, v = query.double(), key.double(), value.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+    qpos = torch.arange(context, context + q.shape[0])[:, None]
+    gap = qpos - torch.arange(k.shape[0])[None, :]
+    logits = logits.masked_fill(~((gap >= 0) & (gap < window))[None], float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.double()[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    weights = torch.softmax(logits, dim=-1)[..., : k.shape[0]]
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+CASES = [
+    # heads, kv heads, q/k head size, v head size, W, context, chunk
+    (4, 2, 24, 16, 8, 0, 5),  # first chunk, shorter than W; DIFFKV
+    (4, 2, 24, 16, 8, 3, 20),  # context shorter than W - 1, chunk longer than W
+    (4, 4, 16, 16, 8, 7, 8),  # context exactly W - 1, chunk exactly W
+    (6, 2, 32, 24, 5, 40, 11),  # long context, only its last W - 1 read
+    (2, 1, 16, 16, 1, 9, 4),  # W = 1: a token attends to itself only
+]
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,dqk,dv,window,context,chunk", CASES)
+def test_window_local_prefill_matches_the_dense_reference(heads, kv_heads, dqk, dv, window, context, chunk, sinks):
+    torch.manual_seed(1)
+    n = context + chunk
+    key, value = torch.randn(n, kv_heads, dqk), torch.randn(n, kv_heads, dv)
+    query = torch.randn(chunk, heads, dqk)
+    sink = torch.randn(heads) if sinks else None
+    scale = dqk**-0.5
+    ours = window_local_prefill(query, key[context:], value[context:], key[:context], value[:context], context, window, scale, sink)
+    want = dense_reference(query, key, value, context, window, scale, sink)
+    assert ours.shape == (chunk, heads, dv)
+    assert torch.allclose(ours.double(), want, atol=1e-5), (ours.double() - want).abs().max()
+
+
+def test_dense_reference_comparison_can_fail():
+    """Negative control: one cached key fewer than the window needs, or the sink applied twice,
+    and the comparison above fails."""
+    torch.manual_seed(1)
+    heads, kv_heads, d, window, context, chunk = 4, 2, 16, 8, 12, 6
+    key, value, query = torch.randn(context + chunk, kv_heads, d), torch.randn(context + chunk, kv_heads, d), torch.randn(chunk, heads, d)
+    sink = torch.randn(heads)
+    want = dense_reference(query, key, value, context, window, d**-0.5, sink)
+    short = window_local_prefill(query, key[context:], value[context:], key[context - window + 2 : context], value[context - window + 2 : context], context, window, d**-0.5, sink)
+    assert not torch.allclose(short.double(), want, atol=1e-5)
+    from vllm_mimo.attention_backends.reference import apply_sinks, attend, merge
+
+    pos = torch.arange(context, context + chunk)
+    out, lse = merge(
+        attend(query, key[:context], value[:context], pos, torch.arange(context), window, d**-0.5),
+        attend(query, key[context:], value[context:], pos, pos, window, d**-0.5),
+    )
+    twice = apply_sinks(apply_sinks(out, lse, sink), lse, sink)
+    assert not torch.allclose(twice.double(), want, atol=1e-5)
+
+
+# ------------------------------------------------- vLLM's CPU kernel over the plan
+
+
+def _kernel_case(heads=4, kv_heads=2, d=64, bs=32, window=40, sinks=True, null_first_copy=False):
+    """Requests with contexts in a real CPU-layout cache, their chunks attended through
+    `cpu.attend`; returns (ours, the dense reference per request)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_mimo import compat
+    from vllm_mimo.attention_backends.cpu import attend
+
+    torch.manual_seed(2)
+    isa = _get_attn_isa(torch.float32, bs, d)
+    contexts, chunks = [0, 50, 100, 7], [70, 33, 1, 64]
+    num_blocks = 64
+    cache = torch.zeros(num_blocks, kv_heads, bs, 2 * d)
+    key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * bs, d).chunk(2, dim=2)
+    table = (torch.randperm(num_blocks - 1)[: 4 * 6] + 1).reshape(4, 6).to(torch.int32)
+    keys = [torch.randn(c + q, kv_heads, d) for c, q in zip(contexts, chunks)]
+    values = [torch.randn(c + q, kv_heads, d) for c, q in zip(contexts, chunks)]
+    for r, c in enumerate(contexts):
+        if c:
+            slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(c)])
+            compat.custom_ops.cpu_attn_reshape_and_cache(keys[r][:c], values[r][:c], key_cache, value_cache, slots, isa)
+    query = torch.randn(sum(chunks), heads, d)
+    qsl = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in zip(contexts, chunks)], dtype=torch.int32)
+    plan = plan_window_local(qsl, seq_lens, table, window, bs)
+    if null_first_copy:  # as if the manager had kept no block for that part of a window
+        plan = type(plan)(**{**plan.__dict__, "copy_src": torch.cat([plan.copy_src[:1] * 0, plan.copy_src[1:]])})
+    schedule = compat.custom_ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=4, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, seq_lens=plan.seq_lens, dtype=torch.float32,
+        query_start_loc=qsl, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=False,
+    )
+    sink = torch.randn(heads) if sinks else None
+    new_k = torch.cat([k[c:] for k, c in zip(keys, contexts)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, contexts)])
+    output = torch.zeros(sum(chunks), heads, d)
+    attend(query, new_k, new_v, cache, output, plan, schedule, qsl, isa=isa, scale=d**-0.5, window=window, sinks=sink)
+    want = torch.cat([
+        dense_reference(query[qsl[r] : qsl[r + 1]], keys[r], values[r], contexts[r], window, d**-0.5, sink)
+        for r in range(4)
+    ])
+    return output, want
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_cpu_kernel_over_the_plan_matches_the_dense_reference(sinks):
+    ours, want = _kernel_case(sinks=sinks)
+    assert torch.allclose(ours.double(), want, atol=1e-4), (ours.double() - want).abs().max()
+
+
+def test_cpu_kernel_comparison_can_fail():
+    """Negative control: one block of a window is the (never written) null block, and the
+    comparison fails."""
+    ours, want = _kernel_case(null_first_copy=True)
+    assert not torch.allclose(ours.double(), want, atol=1e-4)
+
+
+# ------------------------------------------------------------------ the engine
+
+OFF = {"VLLM_MIMO_ENABLE": "0"}
+MODES = {"off": (OFF, None), "stock": ({}, "stock"), "window-local": ({}, "window-local")}
+STEP_TOKENS = 1000  # chunks of up to 1,000 tokens; prompt remainders give 128 (= W) and 90
+ENGINE = {"dtype": "float32", "max_model_len": 8192, "max_num_batched_tokens": STEP_TOKENS}
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+
+
+def _batches(ids: list[int]) -> list[list]:
+    """Batch 1: five prompts of 100 to 6,000 tokens at once (one declares an anchor at token
+    1,500, inside its second chunk). Batch 2: hits at the grid anchor at token 512 (inside the
+    6,000-token prompt's first chunk), at the declared anchor, and at a prompt's end."""
+    long = ids[8000:14000]
+    declared = {"ids": ids[5000:7500], "extra_args": {"mimo": {"anchors": [1500]}}}
+    first = [ids[:100], ids[1000:2128], ids[3000:4090], declared, long]
+    second = [long[:600] + ids[20000:20050], ids[5000:6500] + ids[21000:21060], ids[1000:2128]]
+    return [first, second]
+
+
+def keep_one_position_fewer() -> None:
+    """The negative control's manager (run in the engine's process): every request's SWA
+    window starts one position later than the attention path reads."""
+    from vllm_mimo.block_manager.cache import HybridKVCache
+
+    start = HybridKVCache.window_start
+    HybridKVCache.window_start = lambda self, processed: start(self, processed) + 1  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tiny_models):
+    """Per layout (on first use): one engine per mode on the same batches (`stock` on `mimo`
+    only: each engine start costs the suite half a minute)."""
+    done: dict[str, dict] = {}
+
+    def runs(layout: str) -> dict:
+        if layout not in done:
+            ids = corpus_ids(tiny_models[layout], 22000)
+            kwargs = {**ENGINE, **(MTP if layout == "mimo" else {})}
+            modes = MODES if layout == "mimo" else {m: MODES[m] for m in ("off", "window-local")}
+            done[layout] = {
+                mode: run_engine(
+                    tiny_models[layout],
+                    _batches(ids),
+                    env=env,
+                    llm_kwargs={**kwargs, **({"additional_config": {"mimo": {"swa_attention": path}}} if path else {})},
+                    record_block_ids=True,
+                )
+                for mode, (env, path) in modes.items()
+            }
+        return done[layout]
+
+    return runs
+
+
+def _interior_nulls(run) -> bool:
+    """Whether some allocation gave a group the null block before a real one (a chunk position
+    the manager keeps no SWA KV for; before a hit's window, nulls come first)."""
+    for allocation in run.workers[0]["block_ids"]:
+        for group in allocation:
+            real = [i for i, block in enumerate(group) if block]
+            if real and any(block == 0 for block in group[real[0] :]):
+                return True
+    return False
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("layout", ["mimo", "mimo-flash", "gemma3"])
+def test_window_local_gives_the_same_tokens_with_less_swa_memory(engine_runs, layout):
+    runs = engine_runs(layout)
+    off, local = runs["off"], runs["window-local"]
+    assert local.ids() == off.ids()
+    (line,) = local.log_lines("SWA attention (swa_attention)")
+    assert "window-local" in line and "stock" not in line
+    assert "window-local-swa" in local.log_lines("features on")[0]
+    # Hits at anchors inside earlier chunks: their windows were kept.
+    cached = [o["cached"] for o in local.batches[1]]
+    assert min(cached) >= 384, cached  # with MTP a hit stops a position short of the anchor
+    assert _interior_nulls(local)
+    assert local.mimo["peak_anchor_window_blocks_per_request"] > 0
+    if layout != "mimo":
+        return
+    stock = runs["stock"]
+    assert stock.ids() == off.ids()
+    assert "stock" in stock.log_lines("SWA attention (swa_attention)")[0]
+    assert cached == [o["cached"] for o in stock.batches[1]]
+    assert not _interior_nulls(stock)
+    peak_local, peak_stock = (r.mimo["peak_swa_blocks_per_request"] for r in (local, stock))
+    assert peak_local < peak_stock, (peak_local, peak_stock)  # how they grow with the chunk: eval/bench_window_local.py
+    # The drafter's KV is exact too: every draft the same, so every acceptance count.
+    assert local.mimo["spec_decode"] == stock.mimo["spec_decode"] and local.mimo["spec_decode"]
+
+
+@pytest.mark.engine
+def test_a_manager_keeping_one_position_fewer_changes_tokens(tiny_models, engine_runs):
+    """Negative control for the test above."""
+    ids = corpus_ids(tiny_models["mimo"], 22000)
+    short = run_engine(
+        tiny_models["mimo"],
+        _batches(ids),
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        llm_kwargs={**ENGINE, **MTP},
+        patch="tests.test_window_local:keep_one_position_fewer",
+    )
+    assert short.ids() != engine_runs("mimo")["off"].ids()
