@@ -1,16 +1,18 @@
-"""How much a replay point moves when nothing but the budget moves a little, and the plugin's
-anchor order against the order before issue 18 over those budgets.
+"""How much a replay point moves when nothing but the budget moves a little, and the plugin
+against one variant of itself over those budgets.
 
     python -m eval.replay_sensitivity (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
-        [--spread 0.01] [--steps 2] [--seed S] [--scale X] [--max-requests N] [--open-loop]
-        [--json OUT] [--quiet]
+        [--against mimo-lru|mimo-stock-attention] [--spread 0.01] [--steps 2] [--seed S]
+        [--scale X] [--max-requests N] [--open-loop] [--json OUT] [--quiet]
 
 For each budget G, replays `eval.replay`'s way at the budgets G x (1 + spread x k / steps) for k
 = -steps .. steps (default: G -1%, -0.5%, G, +0.5%, +1%), with two engines on the same requests
 and blocks:
   * `mimo`: the plugin as it is;
-  * `mimo-lru`: the plugin with every live anchor worth 0, so they go least recently used first
-    (the order before issue 18; everything else is the plugin's).
+  * `--against` (default `mimo-lru`): `mimo-lru`, the plugin with every live anchor worth 0, so
+    they go least recently used first (the order before issue 18; everything else is the
+    plugin's); or `mimo-stock-attention`, the plugin on vLLM's stock attention backends (as
+    `eval.replay`'s engine of that name).
 Per budget G and engine it prints the hit tokens and simulated TTFT (mean and p90) averaged over
 the nearby budgets, and how far the single budgets spread around G's own value (min..max, as
 ratios). Where a 1% change of memory moves one policy's TTFT by several percent, a difference
@@ -30,7 +32,7 @@ from pathlib import Path
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 
-ENGINES = ("mimo", "mimo-lru")
+AGAINST = ("mimo-lru", "mimo-stock-attention")
 
 
 def lru_factory() -> Callable[..., HybridKVCacheManager]:
@@ -64,25 +66,27 @@ def summarize(runs: list[RunResult], center: RunResult) -> dict:
     }
 
 
-def print_table(points: list[dict]) -> None:
+def print_table(points: list[dict], engines: tuple[str, str]) -> None:
     print("| KV GiB | engine | hit tokens, mean | hits: single budgets ÷ G's | TTFT s, mean | TTFT: single ÷ G's | p90 s, mean | p90: single ÷ G's |")
     print("|---:|---|---:|---|---:|---|---:|---|")
     for point in points:
-        for engine in ENGINES:
+        for engine in engines:
             s = point["engines"][engine]
             print(
                 f"| {point['kv_gib']:g} | {engine} | {s['hit_tokens']:,.0f} | {s['hit_tokens_spread'][0]:.3f}..{s['hit_tokens_spread'][1]:.3f} "
                 f"| {s['ttft_mean_s']:.4f} | {s['ttft_mean_spread'][0]:.3f}..{s['ttft_mean_spread'][1]:.3f} "
                 f"| {s['ttft_p90_s']:.3f} | {s['ttft_p90_spread'][0]:.3f}..{s['ttft_p90_spread'][1]:.3f} |"
             )
-        r = point["mimo_over_lru"]
-        print(f"| {point['kv_gib']:g} | mimo ÷ mimo-lru | {r['hit_tokens']:.3f} | | {r['ttft_mean_s']:.3f} | | {r['ttft_p90_s']:.3f} | |")
+        r = point["mimo_over_other"]
+        print(f"| {point['kv_gib']:g} | mimo ÷ {engines[1]} | {r['hit_tokens']:.3f} | | {r['ttft_mean_s']:.3f} | | {r['ttft_p90_s']:.3f} | |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_sensitivity", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
     parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
+    parser.add_argument("--against", choices=AGAINST, default="mimo-lru",
+                        help="the variant of the plugin to compare with (default: mimo-lru; see above)")
     parser.add_argument("--spread", type=float, default=0.01,
                         help="the largest relative change of the budget, in (0, 0.5) (default: 0.01, i.e. 1%%)")
     parser.add_argument("--steps", type=int, default=2,
@@ -103,18 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     params = SimParams(max_model_len=source.max_model_len, closed_loop=not args.open_loop)
     ideal = ideal_hits(requests)
     print(f"replay_sensitivity: {source.name}, {len(requests)} requests, layout {args.layout}", file=sys.stderr)
-    factories = {"mimo": None, "mimo-lru": lru_factory()}
+    engines = ("mimo", args.against)
+    # (the replay's engine, a manager factory) per engine compared
+    setups = {"mimo": ("mimo", None), "mimo-lru": ("mimo", lru_factory()), "mimo-stock-attention": ("mimo-stock-attention", None)}
     points, all_runs = [], []
     for kv_gib in args.kv_gib:
         nearby = budgets(kv_gib, args.spread, args.steps)
         by_engine: dict[str, list[RunResult]] = {}
-        for engine in ENGINES:
+        for engine in engines:
             for i, gib in enumerate(nearby):
                 if not args.quiet:
                     print(f"  {engine} at {gib:g} GiB ({i + 1}/{len(nearby)} near {kv_gib:g})", file=sys.stderr)
                 try:
-                    run = simulate("mimo", args.layout, gib, requests, ideal, params, progress=False,
-                                   mimo_factory=factories[engine])
+                    run = simulate(setups[engine][0], args.layout, gib, requests, ideal, params, progress=False,
+                                   mimo_factory=setups[engine][1])
                 except ValueError as e:
                     print(f"error: {engine} at {gib} GiB: {e}", file=sys.stderr)
                     return 2
@@ -123,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                 by_engine.setdefault(engine, []).append(run)
                 all_runs.append(run)
         summaries = {e: summarize(runs, runs[args.steps]) for e, runs in by_engine.items()}
-        ours, lru = summaries["mimo"], summaries["mimo-lru"]
+        ours, other = summaries["mimo"], summaries[args.against]
         points.append({
-            "kv_gib": kv_gib, "budgets": nearby, "engines": summaries,
-            "mimo_over_lru": {k: ours[k] / (lru[k] or 1) for k in ("hit_tokens", "ttft_mean_s", "ttft_p90_s")},
+            "kv_gib": kv_gib, "budgets": nearby, "engines": summaries, "against": args.against,
+            "mimo_over_other": {k: ours[k] / (other[k] or 1) for k in ("hit_tokens", "ttft_mean_s", "ttft_p90_s")},
         })
-    print_table(points)
+    print_table(points, engines)
     if args.json:
         args.json.write_text(json.dumps({
             "source": source.name, "layout": args.layout, "spread": args.spread, "steps": args.steps,

@@ -316,9 +316,15 @@ def test_sensitivity_replays_both_anchor_orders_at_nearby_budgets(tmp_path, caps
         assert low == pytest.approx(min(hits) / hits[1]) and high == pytest.approx(max(hits) / hits[1])
     # The two orders really differ here (anchors are evicted): the worth is what `mimo-lru` drops.
     assert any(runs["mimo", g]["hit_tokens"] != runs["mimo-lru", g]["hit_tokens"] for g in point["budgets"])
-    assert point["mimo_over_lru"]["hit_tokens"] == pytest.approx(
+    assert point["mimo_over_other"]["hit_tokens"] == pytest.approx(
         point["engines"]["mimo"]["hit_tokens"] / point["engines"]["mimo-lru"]["hit_tokens"])
     assert "mimo ÷ mimo-lru" in capsys.readouterr().out
+    # Against the plugin on stock attention instead.
+    assert replay_sensitivity.main([*args, "--kv-gib", "1.5", "--steps", "1", "--against", "mimo-stock-attention",
+                                    "--json", str(out), "--quiet"]) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert set(point["engines"]) == {"mimo", "mimo-stock-attention"} and point["against"] == "mimo-stock-attention"
+    assert "mimo ÷ mimo-stock-attention" in capsys.readouterr().out
     for bad, message in ((["--spread", "0"], "--spread must be in (0, 0.5), got 0.0"),
                          (["--steps", "0"], "--steps must be >= 1, got 0")):
         with pytest.raises(SystemExit):
