@@ -8,7 +8,8 @@ plan against the same reference; negative controls for both.
 Engine lane (float32, the tiny models): greedy tokens with the plugin off and on with
 `window-local` are the same on the `mimo` (MTP drafting on), `mimo-flash` and `gemma3` layouts
 (on `mimo` also on with `stock`: the same tokens, hits and drafts, more SWA blocks), for
-prompts of 100 to 6,000 tokens in 1,000-token steps (chunks larger than, equal to and smaller
+prompts of 100 to 6,000 tokens (3,000 on `mimo-flash` and `gemma3`) in 1,000-token steps
+(chunks larger than, equal to and smaller
 than W, batches mixing decode and prefill), hits at anchors inside earlier chunks (mid-window:
 W = one 128-token block); the manager hands out null blocks inside chunks; a manager that
 keeps one position fewer gives different tokens. Preemption with window-local attention (and
@@ -200,11 +201,11 @@ ENGINE = {"dtype": "float32", "max_model_len": 8192, "max_num_batched_tokens": S
 MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
 
 
-def _batches(ids: list[int]) -> list[list]:
-    """Batch 1: five prompts of 100 to 6,000 tokens at once (one declares an anchor at token
-    1,500, inside its second chunk). Batch 2: hits at the grid anchor at token 512 (inside the
-    6,000-token prompt's first chunk), at the declared anchor, and at a prompt's end."""
-    long = ids[8000:14000]
+def _batches(ids: list[int], longest: int = 6000) -> list[list]:
+    """Batch 1: five prompts of 100 to `longest` tokens at once (one declares an anchor at
+    token 1,500, inside its second chunk). Batch 2: hits at the grid anchor at token 512
+    (inside the longest prompt's first chunk), at the declared anchor, and at a prompt's end."""
+    long = ids[8000 : 8000 + longest]
     declared = {"ids": ids[5000:7500], "extra_args": {"mimo": {"anchors": [1500]}}}
     first = [ids[:100], ids[1000:2128], ids[3000:4090], declared, long]
     second = [long[:600] + ids[20000:20050], ids[5000:6500] + ids[21000:21060], ids[1000:2128]]
@@ -234,7 +235,7 @@ def engine_runs(tiny_models):
             done[layout] = {
                 mode: run_engine(
                     tiny_models[layout],
-                    _batches(ids),
+                    _batches(ids, 6000 if layout == "mimo" else 3000),  # engine time: the suite's budget
                     env=env,
                     llm_kwargs={**kwargs, **({"additional_config": {"mimo": {"swa_attention": path}}} if path else {})},
                     record_block_ids=True,
