@@ -26,6 +26,11 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+PLUGIN_SCHEDULERS = ("vllm_mimo.engine.scheduler.MimoScheduler", "vllm_mimo.engine.scheduler.MimoAsyncScheduler")
+"""The plugin's scheduler classes (sync, async). `hooks.configure` installs one for a hybrid SWA
+model; an engine whose config names one runs the plugin's KV manager."""
+
+
 class MimoConfigError(ValueError):
     """A vllm-mimo setting has an unknown key, a wrong type or an out-of-range value."""
 

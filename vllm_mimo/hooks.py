@@ -13,11 +13,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_mimo.config import ENV_PREFIX, MimoConfig, MimoConfigError
+from vllm_mimo.config import ENV_PREFIX, PLUGIN_SCHEDULERS, MimoConfig, MimoConfigError
 from vllm_mimo.log import logger
 
-SCHEDULER_CLS = "vllm_mimo.engine.scheduler.MimoScheduler"
-ASYNC_SCHEDULER_CLS = "vllm_mimo.engine.scheduler.MimoAsyncScheduler"
+SCHEDULER_CLS, ASYNC_SCHEDULER_CLS = PLUGIN_SCHEDULERS
 
 _registered_in_pid: int | None = None
 

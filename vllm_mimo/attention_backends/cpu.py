@@ -207,9 +207,8 @@ def window_local_engine(vllm_config: Any) -> bool:
     """Whether this engine's SWA groups run window-locally: the plugin's scheduler runs it
     (it is on, for a hybrid model) and `swa_attention` resolves to window-local here."""
     from vllm_mimo.attention_backends import swa_attention_mode
-    from vllm_mimo.config import MimoConfig
-    from vllm_mimo.hooks import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
+    from vllm_mimo.config import PLUGIN_SCHEDULERS, MimoConfig
 
-    if vllm_config.scheduler_config.scheduler_cls not in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
+    if vllm_config.scheduler_config.scheduler_cls not in PLUGIN_SCHEDULERS:
         return False
     return swa_attention_mode(MimoConfig.from_vllm_config(vllm_config)) == "window-local"
