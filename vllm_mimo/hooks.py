@@ -113,10 +113,10 @@ def configure(vllm_config: Any) -> None:
             model_config.architecture,
         )
         return
-    from vllm_mimo.attention_backends import swa_attention_mode
+    from vllm_mimo import attention_backends
     from vllm_mimo.spec_decode import setup
 
-    swa_attention_mode(config)  # window-local asked for where it is not supported fails here
+    attention_backends.configure(vllm_config, config)
     setup.configure(vllm_config, config.mtp_all_layers)
     scheduler_config = vllm_config.scheduler_config
     if scheduler_config.scheduler_cls in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):

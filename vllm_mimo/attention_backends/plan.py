@@ -12,8 +12,12 @@ computes the same attention as over the real cache (causal masks and windows dep
 differences of positions). Memory: O(W + chunk) per request for one layer at a time, instead
 of O(chunk) per SWA layer held in the pool.
 
-Everything here is plain torch on the host: the CPU backend uses it, and a CUDA backend uses
-the same arrays (on its device) as its FlashInfer plan inputs.
+`plan_split` lays the same step out as two attention calls with no scratch (the FlashInfer
+shape of the CUDA path): the chunk over its own keys in flight, and the cached window read from
+the paged cache in place; `reference.combine_split` merges them.
+
+Everything here is plain torch on the host: the CPU backend runs `WindowPlan`, the CUDA
+backend passes `SplitPlan`'s arrays (moved to its device) to FlashInfer's plan calls.
 """
 
 from __future__ import annotations
@@ -48,6 +52,19 @@ class WindowPlan:
     block_size: int
 
 
+def _step_lengths(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query offsets, key lengths, new tokens, context) per request, int64; checks W and the
+    block size."""
+    if window < 1 or block_size < 1:
+        raise ValueError(f"window ({window}) and block_size ({block_size}) must be >= 1")
+    qsl = query_start_loc.to(torch.int64)
+    lens = seq_lens.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    return qsl, lens, q_lens, lens - q_lens
+
+
 def plan_window_local(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -58,12 +75,7 @@ def plan_window_local(
     """The plan for requests whose new tokens start at `query_start_loc` (R+1 offsets) and
     whose key lengths are `seq_lens` (context + new), over their `block_table` rows; `window`
     is W (a query at position p reads keys p-W+1..p)."""
-    if window < 1 or block_size < 1:
-        raise ValueError(f"window ({window}) and block_size ({block_size}) must be >= 1")
-    qsl = query_start_loc.to(torch.int64)
-    lens = seq_lens.to(torch.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    context = lens - q_lens
+    qsl, lens, q_lens, context = _step_lengths(query_start_loc, seq_lens, window, block_size)
     first = (context - (window - 1)).clamp(min=0) // block_size
     end = (lens + block_size - 1) // block_size
     counts = end - first
@@ -93,6 +105,76 @@ def plan_window_local(
         token_slots=token_slots,
         num_blocks=total,
         block_size=block_size,
+    )
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """A window-local step as two calls merged by log-sum-exp; R requests, T new tokens, C of
+    the requests with cached tokens (`context > 0`), W the window.
+
+    The chunk call: queries and keys are the step's new tokens (`query_start_loc` as both
+    indptrs), causal, a window of W-1 keys to the left.
+
+    The context call reads, for each of the C requests, the cache pages from the one holding
+    `context - (W-1)` to the one holding `context - 1` (n keys), with exactly W-1 query rows:
+    row i is the request's new token i (rows past its last new token repeat it and are thrown
+    away). Non-causal with a left window of 0 keys, a kernel that aligns the last query row to
+    the last key (FlashInfer's rule: key j is seen by row i when j >= i + n - rows - window_left)
+    gives row i the keys at positions >= context + i - (W-1): the window, exactly. Each of the W-1
+    rows has at least one key in reach, so no row is empty. The cost is W-1 rows per request
+    with a context: O(W), whatever the chunk.
+
+    context_requests:   [C] which requests have a context part
+    context_qo_indptr:  [C+1] 0, W-1, 2(W-1), ...
+    context_rows:       [C(W-1)] the step's query row each context row reads
+    context_valid:      [C(W-1)] whether that row is a real new token (not a repeat)
+    page_indptr:        [C+1] offsets into the page lists
+    page_request:       [P] the request (row of the step's block table) of each page
+    page_column:        [P] the page's logical block: its id is block_table[request, column]
+    last_page_len:      [C] keys in each request's last page
+    window:             W
+    """
+
+    context_requests: torch.Tensor
+    context_qo_indptr: torch.Tensor
+    context_rows: torch.Tensor
+    context_valid: torch.Tensor
+    page_indptr: torch.Tensor
+    page_request: torch.Tensor
+    page_column: torch.Tensor
+    last_page_len: torch.Tensor
+    window: int
+
+
+def plan_split(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int) -> SplitPlan:
+    """The split layout (see `SplitPlan`) for requests whose new tokens start at
+    `query_start_loc` (R+1 offsets, host) with key lengths `seq_lens` (host); page ids are
+    left to the caller (`page_request`, `page_column` index its block table), so the plan reads
+    no device memory."""
+    qsl, _, q_lens, context = _step_lengths(query_start_loc, seq_lens, window, block_size)
+    rows = window - 1
+    requests = torch.nonzero(context > 0).flatten() if rows else torch.zeros(0, dtype=torch.int64)
+    ctx, q = context[requests], q_lens[requests]
+    first = (ctx - rows).clamp(min=0) // block_size
+    last = (ctx - 1) // block_size
+    pages = last - first + 1
+    c = requests.numel()
+    i = torch.arange(rows, dtype=torch.int64).repeat(c)
+    owner = torch.arange(c, dtype=torch.int64).repeat_interleave(rows)
+    page_owner = torch.arange(c, dtype=torch.int64).repeat_interleave(pages)
+    page_indptr = torch.zeros(c + 1, dtype=torch.int64)
+    page_indptr[1:] = torch.cumsum(pages, 0)
+    return SplitPlan(
+        context_requests=requests,
+        context_qo_indptr=torch.arange(c + 1, dtype=torch.int64) * rows,
+        context_rows=qsl[requests][owner] + torch.minimum(i, q[owner] - 1),
+        context_valid=i < q[owner],
+        page_indptr=page_indptr,
+        page_request=requests[page_owner],
+        page_column=first[page_owner] + torch.arange(int(pages.sum())) - page_indptr[page_owner],
+        last_page_len=ctx - last * block_size,
+        window=window,
     )
 
 

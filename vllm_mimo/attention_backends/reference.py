@@ -10,7 +10,12 @@ head, as gpt-oss and MiMo's SWA layers have) joins every query's softmax without
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from vllm_mimo.attention_backends.plan import SplitPlan
 
 
 def attend(
@@ -75,4 +80,26 @@ def window_local_prefill(
     start = cached_key.shape[0] - cached
     part = attend(query, cached_key[start:], cached_value[start:], pos, cached_pos, window, scale)
     out, lse = merge(part, attend(query, key, value, pos, pos, window, scale))
+    return apply_sinks(out, lse, sinks) if sinks is not None else out
+
+
+def combine_split(
+    plan: SplitPlan,
+    chunk: tuple[torch.Tensor, torch.Tensor],
+    context: tuple[torch.Tensor, torch.Tensor] | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A step's output from the two calls of a `SplitPlan`: `chunk` is (output, natural-log
+    LSE) of every new token over the chunk, `context` the same for the plan's context rows
+    (None when it has none); each real context row is merged into its token, repeats are
+    dropped, sinks applied once. Plain torch: runs on the device of its inputs."""
+    out, lse = chunk
+    if context is not None and plan.context_rows.numel():
+        valid = plan.context_valid
+        rows = plan.context_rows[valid]
+        context_out = torch.zeros_like(out)
+        context_lse = torch.full_like(lse, float("-inf"))
+        context_out[rows] = context[0][valid].to(out.dtype)
+        context_lse[rows] = context[1][valid].to(lse.dtype)
+        out, lse = merge((out, lse), (context_out, context_lse))
     return apply_sinks(out, lse, sinks) if sinks is not None else out
