@@ -65,8 +65,10 @@ from eval.workloads import (
     tokens,
 )
 
-ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo", "mimo-stock-attention")
-PLUGIN_ENGINES = ("mimo", "mimo-stock-attention")
+DEFAULT_ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo", "mimo-stock-attention")
+HOST_ENGINES = ("mimo-host", "mimo-host-dense")
+ENGINES = DEFAULT_ENGINES + HOST_ENGINES
+PLUGIN_ENGINES = ("mimo", "mimo-stock-attention", *HOST_ENGINES)
 GIB = 1 << 30
 
 
@@ -83,6 +85,10 @@ class SimParams:
     """The plugin scheduler's `step_prefill_floor_tokens` (0: its steps are never cut)."""
     prefill_chunk: int = MimoConfig().prefill_chunk_tokens
     """The plugin's `prefill_chunk_tokens`: its cap on one request's chunk per step (0: none)."""
+    host_gib: float | None = None
+    """Host memory of the host-tier engines (None: 4 x the device budget)."""
+    host_gbps: float = 25.0
+    """Host-to-device bandwidth of loads from the host tier, GB/s."""
 
 
 @dataclass
@@ -114,6 +120,18 @@ class RunResult:
     ttft_p90_s: float = 0.0
     wall_seconds: float = 0.0
     anchors: dict = field(default_factory=dict)
+    host_gib: float = 0.0
+    """The host tier's memory (host-tier engines)."""
+    host_hit_tokens: int = 0
+    """Hit tokens loaded from the host tier (part of `hit_tokens`: first admissions)."""
+    host_restored_tokens: int = 0
+    """Tokens loaded from the host tier, re-admissions after preemption included."""
+    host_bytes_stored: int = 0
+    host_bytes_loaded: int = 0
+
+    @property
+    def bytes_loaded_per_restored_token(self) -> float:
+        return self.host_bytes_loaded / self.host_restored_tokens if self.host_restored_tokens else 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -127,6 +145,7 @@ class RunResult:
         out = asdict(self)
         out["hit_ratio"] = self.hit_ratio
         out["fraction_of_ideal"] = self.fraction_of_ideal
+        out["bytes_loaded_per_restored_token"] = self.bytes_loaded_per_restored_token
         return out
 
 
@@ -174,10 +193,13 @@ class _Timed:
         return out
 
 
-def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams, mimo_factory: Callable | None = None):
+def make_manager(
+    engine: str, layout_name: str, kv_bytes: int, params: SimParams, mimo_factory: Callable | None = None, host_bytes: int = 0
+):
     """(manager, number of blocks, hash block size) for one engine at one budget; `mimo_factory`:
     called as `HybridKVCacheManager` is, to build the plugin's engine (with observers, or a
-    measuring tool's placement: `eval.replay_diagnose`, `eval.replay_bound`)."""
+    measuring tool's placement: `eval.replay_diagnose`, `eval.replay_bound`); `host_bytes`: the
+    host tier of a host-tier engine."""
     from vllm_mimo.block_manager.adapter import HybridKVCacheManager
     from vllm_mimo.compat import KVCacheManager, resolve_kv_cache_block_sizes
 
@@ -196,14 +218,24 @@ def make_manager(engine: str, layout_name: str, kv_bytes: int, params: SimParams
         hash_block_size=hash_block_size,
     )
     if engine in PLUGIN_ENGINES:
+        host = {}
+        if engine in HOST_ENGINES:
+            host = {"host_pages": host_bytes // page_bytes(config), "host_dense": engine == "mimo-host-dense"}
         manager = (mimo_factory or HybridKVCacheManager)(
-            config, max_num_running=params.max_running, window_local=engine == "mimo", **common
+            config, max_num_running=params.max_running, window_local=engine != "mimo-stock-attention", **host, **common
         )
     else:
         manager = KVCacheManager(
             config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
         )
     return manager, config.num_blocks, hash_block_size
+
+
+def page_bytes(config) -> int:
+    """Bytes of one block id: a page in each layer of its group (vLLM gives every group of a
+    hybrid model pages of one size and the same number of layers)."""
+    group = config.kv_cache_groups[0]
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
 
 def _full_group_hit(manager, request) -> int:
@@ -236,15 +268,22 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
 
-    manager, num_blocks, hash_block_size = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_factory)
+    host_gib = (params.host_gib if params.host_gib is not None else 4 * kv_gib) if engine in HOST_ENGINES else 0.0
+    manager, num_blocks, hash_block_size = make_manager(
+        engine, layout, int(kv_gib * GIB), params, mimo_factory, host_bytes=int(host_gib * GIB)
+    )
     # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens,
     # vLLM's long_prefill_token_threshold), which vLLM ignores when one request is alone.
     plugin_chunk_cap = params.prefill_chunk if engine in PLUGIN_ENGINES else 0
     call = _Timed(manager)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(hash_block_size, sha256)
-    result = RunResult(engine, kv_gib, num_blocks, requests=len(requests))
+    result = RunResult(engine, kv_gib, num_blocks, requests=len(requests), host_gib=host_gib)
     is_mimo = engine in PLUGIN_ENGINES
+    host = manager.cache.host if engine in HOST_ENGINES else None
+    block_bytes = page_bytes(manager.kv_cache_config)
+    # Pages a position's Full / SWA copy takes (host pages have a device block's bytes).
+    position_pages = (manager.geometry.full_ids_per_position, manager.geometry.swa_ids_per_position) if host else (0, 0)
     # As the plugin's scheduler cuts its steps when memory is short (upstream's are never cut).
     step_budget = StepBudget(manager.cache, params.step_prefill_floor) if is_mimo and params.step_prefill_floor else None
     peak: dict[str, int] = {}
@@ -292,6 +331,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             now = pending[0][0]
             continue
         budget = params.token_budget
+        loaded_bytes = 0  # from the host tier, this step
         chunk_cap = plugin_chunk_cap if len(running) + len(waiting) > 1 else 0
         full_budget = budget
         if step_budget is not None:
@@ -323,14 +363,23 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             full_hit = 0 if is_mimo else _full_group_hit(manager, req)
             blocks, hit, boundary = call("get_computed_blocks", req)
             req.shared_prefix_boundary = boundary
-            n = min(req.num_tokens - hit, budget, chunk_cap or budget)
+            external = call("host_extension", req) if host is not None else 0
+            n = min(req.num_tokens - hit - external, budget, chunk_cap or budget)
             new = call(
                 "allocate_slots", req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
-                full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
+                num_external_computed_tokens=external, full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
             )
             if new is None:
                 break
             waiting.popleft()
+            if external:
+                # The copies from host happen before the step's forward (`--host-gbps`).
+                plan = manager.cache.take_load(req.request_id)
+                loaded_bytes += (len(plan.full) * position_pages[0] + len(plan.swa) * position_pages[1]) * block_bytes
+                manager.cache.finish_load(plan)
+                hit += external
+                if req.num_preemptions == 0:
+                    result.host_hit_tokens += external
             if req.num_preemptions == 0:
                 result.prompt_tokens += req.num_prompt_tokens
                 result.hit_tokens += hit
@@ -362,7 +411,9 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                     result.peak_swa_blocks_per_request = max(result.peak_swa_blocks_per_request, swa_held)
         prefill_tokens = sum(n for rid, n in scheduled.items() if in_prefill[rid])
         result.recomputed_prefill_tokens += prefill_tokens
-        now += params.decode_s_per_step + prefill_tokens * params.prefill_s_per_token
+        now += params.decode_s_per_step + prefill_tokens * params.prefill_s_per_token + loaded_bytes / (params.host_gbps * 1e9)
+        if host is not None:
+            manager.cache.take_stores()  # device-to-host copies run beside the steps: counted, not timed
         by_id = {req.request_id: req for req in running}
         for rid, n in scheduled.items():
             req = by_id[rid]
@@ -400,6 +451,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         result.prefill_steps_cut = step_budget.steps_cut if step_budget is not None else 0
         result.peak_swa_blocks_per_request = m.peak_swa_blocks_per_request
         result.peak_anchor_window_blocks_per_request = m.peak_anchor_window_blocks_per_request
+    if host is not None:
+        full_bytes, swa_bytes = position_pages[0] * block_bytes, position_pages[1] * block_bytes
+        stats = host.stats
+        result.host_bytes_stored = stats.stored_full * full_bytes + stats.stored_swa * swa_bytes
+        result.host_bytes_loaded = stats.loaded_full * full_bytes + stats.loaded_swa * swa_bytes
+        result.host_restored_tokens = stats.hit_tokens
     result.peak_blocks = peak
     result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
     result.sim_seconds = now
@@ -539,7 +596,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
     parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated engines (default: all): {','.join(ENGINES)}")
+    parser.add_argument(
+        "--engines", default=",".join(DEFAULT_ENGINES),
+        help=f"comma-separated engines: {','.join(ENGINES)} (default: all but the host-tier engines "
+        f"{','.join(HOST_ENGINES)}: the plugin with a host tier that keeps only anchors' SWA windows, "
+        "and the same storing every stored position's SWA KV)",
+    )
+    parser.add_argument(
+        "--host-gib", type=float, metavar="GIB",
+        help="host memory of the host-tier engines, > 0 (default: 4 x each --kv-gib budget)",
+    )
+    parser.add_argument(
+        "--host-gbps", type=float, default=SimParams.host_gbps, metavar="GB/S",
+        help="host-to-device bandwidth of loads from the host tier, added to the step that loads, > 0 "
+        f"(default: {SimParams.host_gbps:g}: PCIe 4.0 x16 with pinned memory moves about 25 GB/s; "
+        "PCIe 5.0 about twice that)",
+    )
     parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")
     parser.add_argument(
         "--step-prefill-floor", type=int, default=SimParams.step_prefill_floor, metavar="TOKENS",
@@ -571,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--step-prefill-floor must be >= 0 tokens (0: off), got {args.step_prefill_floor}")
     if args.prefill_chunk < 0:
         parser.error(f"--prefill-chunk must be >= 0 tokens (0: no cap), got {args.prefill_chunk}")
+    if args.host_gib is not None and not args.host_gib > 0:
+        parser.error(f"--host-gib must be > 0, got {args.host_gib}")
+    if not args.host_gbps > 0:
+        parser.error(f"--host-gbps must be > 0, got {args.host_gbps}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -583,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SimParams(
         max_running=args.max_running, max_model_len=source.max_model_len, closed_loop=not args.open_loop,
         step_prefill_floor=args.step_prefill_floor, prefill_chunk=args.prefill_chunk,
+        host_gib=args.host_gib, host_gbps=args.host_gbps,
     )
     print(f"replay: {source_name}, {len(requests)} requests, layout {args.layout}, engines {','.join(engines)}", file=sys.stderr)
     ideal = ideal_hits(requests)

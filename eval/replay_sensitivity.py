@@ -2,7 +2,7 @@
 against one variant of itself over those budgets.
 
     python -m eval.replay_sensitivity (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
-        [--against mimo-lru|mimo-stock-attention] [--spread 0.01] [--steps 2] [--seed S]
+        [--against mimo-lru|mimo-stock-attention|swa-free] [--spread 0.01] [--steps 2] [--seed S]
         [--scale X] [--max-requests N] [--open-loop] [--json OUT] [--quiet]
 
 For each budget G, replays `eval.replay`'s way at the budgets G x (1 + spread x k / steps) for k
@@ -32,7 +32,7 @@ from pathlib import Path
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 
-AGAINST = ("mimo-lru", "mimo-stock-attention")
+AGAINST = ("mimo-lru", "mimo-stock-attention", "swa-free")
 
 
 def lru_factory() -> Callable[..., HybridKVCacheManager]:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     add_source_arguments(parser)
     parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
     parser.add_argument("--against", choices=AGAINST, default="mimo-lru",
-                        help="the variant of the plugin to compare with (default: mimo-lru; see above)")
+                        help="the engine to compare with (default: mimo-lru; see above)")
     parser.add_argument("--spread", type=float, default=0.01,
                         help="the largest relative change of the budget, in (0, 0.5) (default: 0.01, i.e. 1%%)")
     parser.add_argument("--steps", type=int, default=2,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replay_sensitivity: {source.name}, {len(requests)} requests, layout {args.layout}", file=sys.stderr)
     engines = ("mimo", args.against)
     # (the replay's engine, a manager factory) per engine compared
-    setups = {"mimo": ("mimo", None), "mimo-lru": ("mimo", lru_factory()), "mimo-stock-attention": ("mimo-stock-attention", None)}
+    setups = {"mimo": ("mimo", None), "mimo-lru": ("mimo", lru_factory()), "mimo-stock-attention": ("mimo-stock-attention", None), "swa-free": ("swa-free", None)}
     points, all_runs = [], []
     for kv_gib in args.kv_gib:
         nearby = budgets(kv_gib, args.spread, args.steps)

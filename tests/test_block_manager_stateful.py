@@ -44,6 +44,7 @@ class Counted:
     calls = 0
     steps = 0
     checks = 0
+    host_loads = 0  # admissions whose hit the host tier extended
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -55,16 +56,20 @@ class ManagerMachine(RuleBasedStateMachine):
         # (Full, SWA) block sizes: one size, or one kind's blocks holding two of the other's
         block_sizes=st.sampled_from([(BLOCK, BLOCK), (2 * BLOCK, BLOCK), (BLOCK, 2 * BLOCK)]),
         window_local=st.booleans(),
+        # the host tier: none, one that fills at once, one that holds much more than the device
+        host_pages=st.sampled_from([0, 0, 24, 400]),
+        host_dense=st.booleans(),
     )
     def setup(
-        self, num_blocks: int, budget: float, grid: int, eagle: bool, block_sizes: tuple[int, int], window_local: bool
+        self, num_blocks: int, budget: float, grid: int, eagle: bool, block_sizes: tuple[int, int], window_local: bool,
+        host_pages: int, host_dense: bool,
     ) -> None:
         config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid)
         full_block, swa_block = block_sizes
         self.m = HybridKVCacheManager(
             kv_config(num_blocks, window=WINDOW, full_block=full_block, swa_block=swa_block), 4096,
             max(block_sizes), BLOCK, max_num_running=3, mimo_config=config, use_eagle=eagle,
-            window_local=window_local,
+            window_local=window_local, host_pages=host_pages, host_dense=host_dense,
         )
         self.waiting: list = []
         self.running: list = []
@@ -101,12 +106,19 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.waiting[0]
         blocks, hit, _ = self.call("get_computed_blocks", req)
         self._check_window_safe(req, blocks, hit)
-        n = min(req.num_tokens - hit, chunk)
-        if self.call("allocate_slots", req, n, hit, blocks) is None:
+        external = self.call("host_extension", req)
+        n = min(req.num_tokens - hit - external, chunk)
+        if self.call("allocate_slots", req, n, hit, blocks, num_external_computed_tokens=external) is None:
             return
+        plan = self.m.cache.take_load(req.request_id)
+        assert (plan is not None) == (external > 0), (external, plan)
+        if plan is not None:
+            Counted.host_loads += 1
+            self._check_load(req, hit, external, plan)
+            self.m.cache.finish_load(plan)
         self.waiting.pop(0)
         req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = hit + n
+        req.num_computed_tokens = hit + external + n
         self.running.append(req)
 
     @precondition(lambda self: self.running)
@@ -206,6 +218,20 @@ class ManagerMachine(RuleBasedStateMachine):
         self.call("free", req)
         self.finished.append(req)
 
+    def _check_load(self, req, hit: int, external: int, plan) -> None:
+        """A host extension loads, into the request's own new blocks, the host Full copy of every
+        position past what it adopts and the host SWA copy of every position of the window
+        before its end past the device hit."""
+        bs, geo = self.m.block_size, self.m.geometry
+        start, end = hit // bs, (hit + external) // bs
+        ids = self.m.get_block_ids(req.request_id)
+        full_ids = [tuple(i for gid in geo.full_group_ids for i in ids[gid][p * geo.blocks_per_position(gid) : (p + 1) * geo.blocks_per_position(gid)]) for p in range(end)]
+        swa_ids = [tuple(i for gid in geo.swa_group_ids for i in ids[gid][p * geo.blocks_per_position(gid) : (p + 1) * geo.blocks_per_position(gid)]) for p in range(end)]
+        assert [c.device for c in plan.swa] == swa_ids[max(start, end - geo.window_blocks) : end]
+        assert [c.device for c in plan.full] == full_ids[end - len(plan.full) : end]
+        for copy in [*plan.full, *plan.swa]:
+            assert copy.host and 0 not in copy.device, copy
+
     def _check_window_safe(self, req, blocks, hit: int) -> None:
         """A reported hit has, at every position, the Full blocks of the tree's node there, and
         for the window before it the node's SWA blocks; null SWA blocks before that."""
@@ -256,5 +282,6 @@ def test_stateful_at_scale() -> None:
             print(f"[stateful] {Counted.calls - start:,} of {target:,} manager calls, "
                   f"{time.time() - t0:.0f} s", flush=True)
     print(f"[stateful] done: {Counted.calls - start:,} manager calls, {Counted.steps:,} steps, "
-          f"{Counted.checks:,} invariant checks, 0 violations, in {runs} Hypothesis runs, "
+          f"{Counted.checks:,} invariant checks, {Counted.host_loads:,} loads from the host tier, "
+          f"0 violations, in {runs} Hypothesis runs, "
           f"{time.time() - t0:.0f} s")

@@ -71,12 +71,16 @@ class HybridKVCacheManager:
         anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
         anchor_worth: Callable[[Anchor], float] | None = None,
         window_local: bool = False,
+        host_pages: int = 0,
+        host_dense: bool = False,
         **_vllm_kwargs: Any,
     ) -> None:
         """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block);
         `watermark`: vLLM's `--watermark`, the share of blocks kept free when admitting;
         `observers`: subscribed to the cache's events (after its own metrics);
         `window_local`: the SWA groups' attention is window-local (`HybridKVCache`);
+        `host_pages`, `host_dense`: the host tier (`HybridKVCache`; replay only until the
+        plugin's connector moves the bytes);
         `anchor_filter`, `anchor_victim`, `anchor_worth`: see `HybridKVCache` (measuring tools only)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
@@ -110,6 +114,8 @@ class HybridKVCacheManager:
             anchor_victim=anchor_victim,
             anchor_worth=anchor_worth,
             window_local=window_local,
+            host_pages=host_pages,
+            host_dense=host_dense,
         )
         self.geometry = geometry
         self.kv_cache_config = kv_cache_config
@@ -159,6 +165,17 @@ class HybridKVCacheManager:
         )
         return blocks, hit * self.block_size, 0
 
+    def host_extension(self, request: Any, max_cache_hit_length: int | None = None) -> int:
+        """Tokens past the hit of the latest `get_computed_blocks` that the host tier holds
+        (what a KV connector would report as external tokens)."""
+        match = self._matches.get(request.request_id)
+        if match is None:
+            return 0
+        limit = request.num_tokens - 1
+        if max_cache_hit_length is not None:
+            limit = min(limit, max_cache_hit_length)
+        return self.cache.host_extend(request, match, limit)
+
     def allocate_slots(
         self,
         request: Any,
@@ -177,8 +194,8 @@ class HybridKVCacheManager:
         """Slots for `num_new_tokens` (+ lookahead) more tokens; None if the pools can't hold them."""
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
-        if num_external_computed_tokens:
-            raise UnsupportedKVLayout("the hybrid KV manager does not take KV from a KV connector")
+        if num_external_computed_tokens and self.cache.host is None:
+            raise UnsupportedKVLayout("the hybrid KV manager takes external tokens only from its host tier")
         # As upstream: `reserved_blocks` stay free for other in-flight requests, and the
         # watermark applies to waiting and preempted requests while others are scheduled.
         headroom = reserved_blocks
@@ -193,6 +210,7 @@ class HybridKVCacheManager:
             headroom=headroom,
             whole_request=full_sequence_must_fit,
             cache=not delay_cache_blocks,
+            external_tokens=num_external_computed_tokens,
         )
         if new is None:
             return None

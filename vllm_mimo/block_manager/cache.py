@@ -15,7 +15,10 @@ a referenced descendant and Full eviction can always go leaf first.
 
 Where a new block comes from: the pool's own free list, else the other pool's (see `pools.py`),
 else eviction (`evict`). Anchors also have a budget (`anchor_budget_fraction`); over it, anchors
-are evicted.
+are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
+instead of dropped (unless it was demoted before it ever served a hit: see `_evict_anchor`), and a request's hit extends into what the host holds (`host_extend`): its
+positions past the device's hit are allocated like new tokens and loaded from host
+(`take_load`), the way vLLM treats a KV connector's external computed tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet
+from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet, AnchorState
 from vllm_mimo.block_manager.base import (
     ANCHOR_BUDGET,
     AnchorPolicy,
@@ -36,6 +39,7 @@ from vllm_mimo.block_manager.base import (
     SizeInfo,
 )
 from vllm_mimo.block_manager.geometry import KVGeometry, cdiv
+from vllm_mimo.block_manager.host_tier import Copy, HostMatch, HostTier, LoadPlan
 from vllm_mimo.block_manager.placement import AnchorPlacement
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch, position_hashes
@@ -55,6 +59,8 @@ class HybridKVCache(KVCache):
     """Two pools, the dual-index prefix tree and SWA anchors (see the module docstring).
 
     `window_local`: the SWA groups' attention runs window-locally (see the module docstring).
+    `host_pages`: host memory for the host tier, in pages of a device block's bytes (0: no
+    tier); `host_dense`: the tier keeps every stored position's SWA KV (`HostTier`'s `dense`).
     `anchor_filter`, `anchor_victim` and `anchor_worth` are for measuring tools
     (`eval.replay_bound`, `eval.replay_sensitivity`), never for serving: a veto on anchor
     placements (`AnchorPlacement.only_where`), a choice of victim among a tier of anchors
@@ -75,6 +81,8 @@ class HybridKVCache(KVCache):
         anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
         anchor_worth: Callable[[Anchor], float] | None = None,
         window_local: bool = False,
+        host_pages: int = 0,
+        host_dense: bool = False,
     ) -> None:
         self.geometry = geometry
         self.window_local = window_local
@@ -106,6 +114,13 @@ class HybridKVCache(KVCache):
             )
         self.pools = BlockPools(geometry.num_blocks, swa_blocks)
         self.tree = PrefixTree()
+        self.host = (
+            HostTier(self.tree, host_pages, self._n_full, self._n_swa, self.window_blocks, dense=host_dense)
+            if host_pages
+            else None
+        )
+        self._loads: dict[str, LoadPlan] = {}
+        self._stores: list[tuple[str, Copy]] = []
         # Evicted anchors are remembered as many as the budget holds: what twice the budget
         # would keep (the size of ARC's ghost lists).
         anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
@@ -165,6 +180,33 @@ class HybridKVCache(KVCache):
             match = self.tree.match(keys, match.safe_blocks - 1, self.window_blocks)
         return match
 
+    def host_extend(self, request: Any, match: TreeMatch, max_tokens: int) -> int:
+        """Tokens past the device's window-safe hit (`match`, up to `max_tokens`) that the host
+        tier holds for the request: what `allocate` takes as `external_tokens`. 0 without a host
+        tier (or with EAGLE/MTP drafting, not covered yet). Never mutates."""
+        if self.host is None or self.use_eagle or not self.enable_caching:
+            return 0
+        positions = max_tokens // self.block_size
+        hit = match.safe_blocks
+        keys = self.position_hashes(request, positions)
+        extended = self.host.extend(keys, match.path, hit, match.takeover(hit), positions)
+        return (extended.blocks - hit) * self.block_size
+
+    def take_load(self, request_id: str) -> LoadPlan | None:
+        """The copies from host that the latest admission of this request needs (its host
+        extension), held until `finish_load`."""
+        return self._loads.pop(request_id, None)
+
+    def finish_load(self, plan: LoadPlan) -> None:
+        """A load plan's copies are done."""
+        assert self.host is not None
+        self.host.finish_load(plan)
+
+    def take_stores(self) -> list[tuple[str, Copy]]:
+        """The copies to host that demotions since the last call need ("full" / "swa")."""
+        stores, self._stores = self._stores, []
+        return stores
+
     # -------------------------------------------------------------- allocation
 
     def allocate(
@@ -178,16 +220,24 @@ class HybridKVCache(KVCache):
         headroom: int = 0,
         whole_request: bool = False,
         cache: bool = True,
+        external_tokens: int = 0,
     ) -> NewBlocks | None:
         self._tick += 1
         state = self._requests.get(request.request_id)
-        total_computed = min(request.num_computed_tokens + hit_tokens, self.max_model_len)
+        total_computed = min(request.num_computed_tokens + hit_tokens + external_tokens, self.max_model_len)
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         bs, n_full, n_swa, window = self.block_size, self._n_full, self._n_swa, self.window_blocks
 
         hit = hit_tokens // bs
+        load_end = hit + external_tokens // bs  # a host extension: positions hit..load_end
+        host_path: list[Node] | None = None
         adopted_full = adopted_swa = 0
         keys: Sequence[Any] = ()
+        if external_tokens and (state is not None or external_tokens % bs):
+            raise ValueError(
+                f"request {request.request_id}: {external_tokens} external tokens: only an admission "
+                f"takes them, in whole {bs}-token positions"
+            )
         if state is not None:
             self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
             match = _NO_MATCH
@@ -207,6 +257,14 @@ class HybridKVCache(KVCache):
                     match = _NO_MATCH
             have_full, have_swa = hit + match.takeover(hit), hit
             adopted_full, adopted_swa = match.unreferenced(hit, window)
+            if load_end > hit:
+                extended = self.host.extend(keys, match.path, hit, match.takeover(hit), positions) if self.host else None
+                if extended is None or extended.blocks < load_end:
+                    raise ValueError(
+                        f"request {request.request_id}: {external_tokens} external tokens passed in, but the "
+                        f"host tier extends its hit of {hit_tokens} tokens by {0 if extended is None else (extended.blocks - hit) * bs}"
+                    )
+                host_path = extended.path
 
         end = cdiv(num_slots, bs)
         full_positions, swa_positions = max(0, end - have_full), max(0, end - have_swa)
@@ -223,7 +281,14 @@ class HybridKVCache(KVCache):
                     have_swa,
                     tail,
                 )
-        kept_positions = max(0, end - tail) + len(windows)
+        # A host extension's last window is read by the request's first chunk: loaded, so kept.
+        loaded_window = set(range(max(hit, load_end - window), load_end)) if host_path is not None else set()
+        if tail > have_swa:
+            loaded_window -= windows
+            loaded_window = {p for p in loaded_window if p < tail}
+        else:
+            loaded_window = set()
+        kept_positions = max(0, end - tail) + len(windows) + len(loaded_window)
         need_full, need_swa = full_positions * n_full, kept_positions * n_swa
         need = need_full + need_swa + headroom
         if whole_request:
@@ -246,6 +311,7 @@ class HybridKVCache(KVCache):
                 return None
 
         admitting = state is None
+        held = self.host.hold(self._load_sources(host_path, hit, have_full, load_end)) if host_path is not None else []
         if admitting:
             # The request references its whole Full path, hit and pseudo hit, keeping its prefix
             # in the tree. It recomputes the pseudo hit: into the nodes' own Full blocks for the
@@ -269,20 +335,22 @@ class HybridKVCache(KVCache):
             raise AssertionError("allocation plan and pools disagree")
         new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
         full = [tuple(new_full[p * n_full : (p + 1) * n_full]) for p in range(full_positions)]
-        kept = range(have_swa, end) if tail == have_swa else sorted(windows) + list(range(tail, end))
+        kept = range(have_swa, end) if tail == have_swa else sorted(windows | loaded_window) + list(range(tail, end))
         swa: list[Blocks | None] = [None] * swa_positions
         for i, pos in enumerate(kept):
             swa[pos - have_swa] = tuple(new_swa[i * n_swa : (i + 1) * n_swa])
         state.full.extend(full)
         state.swa.extend(swa)
+        if host_path is not None:
+            self._plan_load(request.request_id, host_path, hit, have_full, load_end, full, swa, held)
         state.step_blocks = kept_positions
         state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
 
         if admitting:
             self._requests[request.request_id] = state
             for admitted in self._observers.admitted:
-                admitted(request, hit_tokens, state.nodes)
-            self.anchors.apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens))
+                admitted(request, hit_tokens + external_tokens, state.nodes)
+            self.anchors.apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens + external_tokens))
         if self._observers.allocated:
             live = sum(1 for ids in state.swa[state.swa_start :] if ids is not None) - len(windows)
             for allocated in self._observers.allocated:
@@ -291,6 +359,36 @@ class HybridKVCache(KVCache):
             self._cache(request, state, min(total_computed + num_new_tokens, request.num_tokens))
         self._enforce_anchor_budget()
         return NewBlocks(full, swa)
+
+    def _load_sources(self, path: list[Node], hit: int, have_full: int, load_end: int) -> list[Node]:
+        """The nodes whose host copies a host extension reads: Full past what the request adopts
+        from the device, SWA of the window before its end."""
+        full = path[max(hit, have_full) : load_end]
+        return full + path[max(hit, load_end - self.window_blocks) : load_end]
+
+    def _plan_load(
+        self,
+        request_id: str,
+        path: list[Node],
+        hit: int,
+        have_full: int,
+        load_end: int,
+        full: list[Blocks],
+        swa: list[Blocks | None],
+        held: list[Node],
+    ) -> None:
+        assert self.host is not None
+        plan = LoadPlan(held=held)
+        for pos in range(max(hit, have_full), load_end):
+            plan.full.append(Copy(path[pos].host_full, full[pos - have_full]))  # type: ignore[arg-type]
+        for pos in range(max(hit, load_end - self.window_blocks), load_end):
+            plan.swa.append(Copy(path[pos].host_swa, swa[pos - hit]))  # type: ignore[arg-type]
+        stats = self.host.stats
+        stats.loaded_full += len(plan.full)
+        stats.loaded_swa += len(plan.swa)
+        stats.hit_tokens += (load_end - hit) * self.block_size
+        self.host.touch(path[load_end - 1], self._tick)
+        self._loads[request_id] = plan
 
     def anchor_window_positions(
         self, request: Any, nodes: Sequence[Node], num_cached: int, junction: int, start: int, stop: int
@@ -398,6 +496,9 @@ class HybridKVCache(KVCache):
             self._drop_anchor(anchor)
         while self._evict_full_leaf():
             pass
+        if self.host is not None:
+            self.host.clear()
+            self._stores.clear()
         assert not self.tree.nodes, "reset left nodes in the tree"
         self.tree.clear()
         return True
@@ -434,7 +535,12 @@ class HybridKVCache(KVCache):
     def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
         for evicted in self._observers.anchor_evicted:
             evicted(anchor, cause)
+        # The host takes every anchor but those demoted before they ever served: what the
+        # anchor policy expects no hit at is not worth host memory either.
+        demote_to_host = self.host is not None and anchor.state is not AnchorState.DEMOTED_UNSERVED
         self.anchors.evicted(anchor)
+        if demote_to_host:
+            self._stores.extend(self.host.store(anchor.node, anchor.window, self._tick))  # type: ignore[union-attr]
         self._free_window(anchor)
 
     def _drop_anchor(self, anchor: Anchor) -> None:
@@ -468,6 +574,8 @@ class HybridKVCache(KVCache):
     def check_integrity(self) -> None:
         self.pools.check_integrity()
         self.tree.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
         self.anchors.check_integrity()
         self.placement.check_integrity(list(self._requests))
         pools = self.pools

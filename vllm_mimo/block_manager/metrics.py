@@ -47,7 +47,8 @@ class KVManagerMetrics(CacheObserver):
         if request.num_preemptions:
             self.preempted_hit_tokens += hit_tokens
             return
-        full_tokens = len(path) * self.block_size
+        # A hit the host tier extended reaches past the device path `path`.
+        full_tokens = max(len(path) * self.block_size, hit_tokens)
         self.prompt_tokens += request.num_prompt_tokens
         self.hit_tokens += hit_tokens
         self.full_cached_tokens += full_tokens

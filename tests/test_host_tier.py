@@ -1,0 +1,196 @@
+"""The host tier's index and policy (`vllm_mimo.block_manager.host_tier`) through the manager:
+demotion of evicted anchors to host memory, hits extended by what the host holds, the load
+plan, host eviction, holds, and the integrity check. (The stateful fuzzer in
+tests/test_block_manager_stateful.py drives it too, with every invariant after every step.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kv_helpers import BLOCK, kv_config, make_request
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
+from vllm_mimo.compat import RequestStatus
+from vllm_mimo.config import MimoConfig
+
+
+def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False) -> HybridKVCacheManager:
+    return HybridKVCacheManager(
+        kv_config(num_blocks), 4096, BLOCK, BLOCK, max_num_running=4,
+        mimo_config=MimoConfig(grid_anchor_tokens=0), host_pages=host_pages, host_dense=host_dense,
+    )
+
+
+def _run(manager, request, output: list[int]) -> tuple[int, int]:
+    """Admit (with the host's extension), prefill, decode `output`, finish; returns (device hit,
+    external tokens)."""
+    blocks, hit, _ = manager.get_computed_blocks(request)
+    external = manager.host_extension(request)
+    assert manager.allocate_slots(request, request.num_tokens - hit - external, hit, blocks,
+                                  num_external_computed_tokens=external) is not None
+    plan = manager.cache.take_load(request.request_id)
+    if plan is not None:
+        manager.check_integrity()  # the plan's nodes are held
+        manager.cache.finish_load(plan)
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = request.num_tokens
+    for token in output:
+        request.append_output_token_ids(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+    request.status = RequestStatus.FINISHED_STOPPED
+    manager.free(request)
+    manager.check_integrity()
+    return hit, external
+
+
+def _sessions(manager, count: int, start: int = 0, asked: int = 1) -> None:
+    """`count` other prompts, each asked `asked` times in a row (a second ask hits its prompt's
+    end, so that anchor has served and the host takes it when the device evicts it)."""
+    for i in range(start, start + count):
+        for ask in range(asked):
+            _run(manager, make_request(f"other{i}.{ask}", [5000 + i] * (10 * BLOCK)), output=[3] * 4)
+
+
+def test_an_evicted_anchor_goes_to_host_and_a_later_hit_is_loaded_from_there():
+    prompt = list(range(100, 100 + 8 * BLOCK))
+    m = _manager(host_pages=400)
+    first = make_request("s", prompt, max_tokens=4)
+    _run(m, first, output=[1, 2, 3, 4])
+    _sessions(m, 12)  # the device (39 blocks) cannot keep the first session's anchors
+    host = m.cache.host
+    assert host.num_anchors > 0 and host.stats.stored_full > 0
+    turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
+    hit, external = _run(m, turn, output=[1])
+    expected = (first.num_tokens - 1) // BLOCK * BLOCK
+    assert external > 0 and hit + external == expected, (hit, external, expected)
+    assert host.stats.hit_tokens == external
+    assert host.stats.loaded_full == external // BLOCK  # nothing of it was left on the device
+    assert host.stats.loaded_swa == m.geometry.window_blocks
+    # Mask-only: each stored anchor's SWA copy is at most its window.
+    stored_anchors = host.num_anchors + host.stats.evicted_anchors
+    assert host.stats.stored_swa <= m.geometry.window_blocks * stored_anchors < host.stats.stored_full
+    assert m.metrics.hit_tokens == hit + external
+
+
+def test_the_load_plan_names_the_host_pages_and_the_requests_new_blocks():
+    prompt = list(range(100, 100 + 8 * BLOCK))
+    m = _manager(host_pages=400)
+    first = make_request("s", prompt, max_tokens=2)
+    _run(m, first, output=[1, 2])
+    _sessions(m, 12)
+    turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
+    blocks, hit, _ = m.get_computed_blocks(turn)
+    external = m.host_extension(turn)
+    nodes = [m.cache.tree.nodes[turn.block_hashes[p]] for p in range((hit + external) // BLOCK)]
+    host_full = [n.host_full for n in nodes[hit // BLOCK :]]
+    host_swa = [n.host_swa for n in nodes[-m.geometry.window_blocks :]]
+    assert m.allocate_slots(turn, turn.num_tokens - hit - external, hit, blocks, num_external_computed_tokens=external)
+    plan = m.cache.take_load("s2")
+    assert [c.host for c in plan.full] == host_full and [c.host for c in plan.swa] == host_swa
+    # The loaded positions are the tree's again, on the device, in the request's new blocks.
+    assert [c.device for c in plan.full] == [n.full_blocks for n in nodes[hit // BLOCK :]]
+    assert [c.device for c in plan.swa] == [n.swa_blocks for n in nodes[-m.geometry.window_blocks :]]
+    assert set(plan.held) <= set(nodes)
+    m.cache.finish_load(plan)
+    m.check_integrity()
+
+
+def test_dense_stores_the_swa_kv_of_every_stored_position():
+    prompt = list(range(100, 100 + 8 * BLOCK))
+    mask_only, dense = _manager(host_pages=2000), _manager(host_pages=2000, host_dense=True)
+    for m in (mask_only, dense):
+        first = make_request("s", prompt, max_tokens=2)
+        _run(m, first, output=[1, 2])
+        _sessions(m, 12)
+    assert dense.cache.host.stats.stored_swa == dense.cache.host.stats.stored_full
+    assert mask_only.cache.host.stats.stored_swa < dense.cache.host.stats.stored_swa
+    assert mask_only.cache.host.stats.stored_full == dense.cache.host.stats.stored_full
+
+
+def test_a_full_host_evicts_its_least_recently_used_anchor_and_skips_what_cannot_fit():
+    m = _manager(host_pages=30)  # about two sessions' paths and windows
+    host = m.cache.host
+    evicted_ticks = []
+    evict = host.evict
+    host.evict = lambda anchor: (evicted_ticks.append(anchor.tick), evict(anchor))  # type: ignore[method-assign]
+    _sessions(m, 20, asked=2)
+    assert host.stats.evicted_anchors == len(evicted_ticks) > 0 and host.used_pages <= 30
+    # Nothing was hit again: the host anchors left are the latest stored, the earliest went first.
+    kept = [n.host_anchor.tick for n in m.cache.tree.nodes.values() if n.host_anchor is not None]
+    assert kept and evicted_ticks == sorted(evicted_ticks) and max(evicted_ticks) <= min(kept)
+    tiny = _manager(host_pages=3)  # not one anchor's path (10 positions) fits
+    _sessions(tiny, 8, asked=2)
+    assert tiny.cache.host.stats.skipped_stores > 0 and tiny.cache.host.num_anchors == 0
+    tiny.check_integrity()
+
+
+def test_held_host_copies_are_not_evicted_until_released():
+    m = _manager(host_pages=30)
+    _sessions(m, 6, asked=2)
+    host = m.cache.host
+    nodes = [n for n in m.cache.tree.nodes.values() if n.host_anchor is not None]
+    held = host.hold([nodes[0]])
+    _sessions(m, 20, start=100, asked=2)
+    assert nodes[0].host_full is not None and nodes[0].host_anchor is not None
+    host.release(held)
+    _sessions(m, 20, start=200, asked=2)
+    assert nodes[0].host_anchor is None
+    m.check_integrity()
+
+
+def test_integrity_check_covers_the_host_copies():
+    """Negative control: a host child count off by one, or a host page owned twice, fails it."""
+    m = _manager(host_pages=400)
+    _sessions(m, 12)
+    m.check_integrity()
+    node = next(n for n in m.cache.tree.nodes.values() if n.host_children)
+    node.host_children += 1
+    with pytest.raises(AssertionError):
+        m.check_integrity()
+    node.host_children -= 1
+    a, b = [n for n in m.cache.tree.nodes.values() if n.host_full is not None][:2]
+    saved = b.host_full
+    b.host_full = a.host_full
+    with pytest.raises(AssertionError, match="owned twice"):
+        m.check_integrity()
+    b.host_full = saved
+    m.check_integrity()
+
+
+def test_external_tokens_need_a_host_tier_that_holds_them():
+    m = _manager()
+    request = make_request("r", list(range(300, 300 + 4 * BLOCK)))
+    m.get_computed_blocks(request)
+    with pytest.raises(UnsupportedKVLayout, match="external tokens only from its host tier"):
+        m.allocate_slots(request, BLOCK, num_external_computed_tokens=BLOCK)
+    with_host = _manager(host_pages=100)
+    with_host.get_computed_blocks(request)
+    with pytest.raises(ValueError, match="host tier extends its hit of 0 tokens by 0"):
+        with_host.allocate_slots(request, BLOCK, num_external_computed_tokens=BLOCK)
+
+
+def test_reset_drops_the_host_copies_too():
+    m = _manager(host_pages=400)
+    _sessions(m, 12)
+    assert m.cache.host.used_pages
+    assert m.reset_prefix_cache()
+    assert not m.cache.tree.nodes and m.cache.host.used_pages == 0
+    m.check_integrity()
+
+
+def test_anchors_demoted_before_they_ever_served_are_dropped_not_stored():
+    from vllm_mimo.block_manager.anchors import AnchorState
+    from vllm_mimo.block_manager.base import CacheObserver
+
+    m = _manager(host_pages=2000)
+    states = []
+
+    class Evictions(CacheObserver):
+        def anchor_evicted(self, anchor, cause) -> None:
+            states.append(anchor.state)
+
+    m.cache.subscribe(Evictions())
+    _sessions(m, 20)
+    unserved = states.count(AnchorState.DEMOTED_UNSERVED)
+    assert unserved and m.cache.host.num_anchors + m.cache.host.stats.evicted_anchors == len(states) - unserved
