@@ -66,9 +66,9 @@ from eval.workloads import (
 )
 
 DEFAULT_ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo", "mimo-stock-attention")
-HOST_ENGINES = ("mimo-host", "mimo-host-dense")
+HOST_ENGINES = ("mimo-host", "mimo-host-dense", "upstream-offload")
 ENGINES = DEFAULT_ENGINES + HOST_ENGINES
-PLUGIN_ENGINES = ("mimo", "mimo-stock-attention", *HOST_ENGINES)
+PLUGIN_ENGINES = ("mimo", "mimo-stock-attention", "mimo-host", "mimo-host-dense")
 GIB = 1 << 30
 
 
@@ -128,6 +128,9 @@ class RunResult:
     """Tokens loaded from the host tier, re-admissions after preemption included."""
     host_bytes_stored: int = 0
     host_bytes_loaded: int = 0
+    host_swa_tokens_per_anchor: float = 0.0
+    """The plugin's host tiers: SWA KV stored per anchor demoted to host, in tokens of every SWA
+    layer (mask-only: at most the window)."""
 
     @property
     def bytes_loaded_per_restored_token(self) -> float:
@@ -196,17 +199,18 @@ class _Timed:
 def make_manager(
     engine: str, layout_name: str, kv_bytes: int, params: SimParams, mimo_factory: Callable | None = None, host_bytes: int = 0
 ):
-    """(manager, number of blocks, hash block size) for one engine at one budget; `mimo_factory`:
-    called as `HybridKVCacheManager` is, to build the plugin's engine (with observers, or a
-    measuring tool's placement: `eval.replay_diagnose`, `eval.replay_bound`); `host_bytes`: the
-    host tier of a host-tier engine."""
+    """(manager, number of blocks, hash block size) for one engine at one budget, and for
+    `upstream-offload` its `UpstreamOffload` fourth; `mimo_factory`: called as
+    `HybridKVCacheManager` is, to build the plugin's engine (with observers, or a measuring
+    tool's placement: `eval.replay_diagnose`, `eval.replay_bound`); `host_bytes`: the host tier
+    of a host-tier engine."""
     from vllm_mimo.block_manager.adapter import HybridKVCacheManager
     from vllm_mimo.compat import KVCacheManager, resolve_kv_cache_block_sizes
 
     vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
     config = kv_cache_config(LAYOUTS[layout_name], kv_bytes, vllm_config)
     if engine not in PLUGIN_ENGINES:
-        retention = {"upstream-r0": 0, "upstream-dense": None, "upstream-r512": 512, "swa-free": 0}[engine]
+        retention = {"upstream-r0": 0, "upstream-dense": None, "upstream-r512": 512, "swa-free": 0, "upstream-offload": 0}[engine]
         config = full_only(config) if engine == "swa-free" else with_retention(config, retention)
     # As the engine core does: groups with different page sizes get different block sizes.
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(config, vllm_config)
@@ -228,6 +232,11 @@ def make_manager(
         manager = KVCacheManager(
             config, max_in_flight_tokens=vllm_config.max_in_flight_tokens, enable_caching=True, **common
         )
+        if engine == "upstream-offload":
+            from eval.upstream_offload import UpstreamOffload
+
+            offload = UpstreamOffload(vllm_config, config, manager, host_bytes, retention)
+            return manager, config.num_blocks, hash_block_size, offload
     return manager, config.num_blocks, hash_block_size
 
 
@@ -269,9 +278,15 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     from vllm.utils.hashing import sha256
 
     host_gib = (params.host_gib if params.host_gib is not None else 4 * kv_gib) if engine in HOST_ENGINES else 0.0
-    manager, num_blocks, hash_block_size = make_manager(
-        engine, layout, int(kv_gib * GIB), params, mimo_factory, host_bytes=int(host_gib * GIB)
-    )
+    made = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_factory, host_bytes=int(host_gib * GIB))
+    manager, num_blocks, hash_block_size = made[:3]
+    offload = made[3] if len(made) > 3 else None
+    # upstream-offload: requests waiting for their load from host; those the connector has seen
+    # scheduled; this step's new block ids per running request; this step's preempted ones.
+    loading: dict[str, Any] = {}
+    known: set[str] = set()
+    step_ids: dict[str, tuple] = {}
+    preempted_ids: set[str] = set()
     # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens,
     # vLLM's long_prefill_token_threshold), which vLLM ignores when one request is alone.
     plugin_chunk_cap = params.prefill_chunk if engine in PLUGIN_ENGINES else 0
@@ -280,7 +295,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     hasher = get_request_block_hasher(hash_block_size, sha256)
     result = RunResult(engine, kv_gib, num_blocks, requests=len(requests), host_gib=host_gib)
     is_mimo = engine in PLUGIN_ENGINES
-    host = manager.cache.host if engine in HOST_ENGINES else None
+    host = manager.cache.host if is_mimo and engine in HOST_ENGINES else None
     block_bytes = page_bytes(manager.kv_cache_config)
     # Pages a position's Full / SWA copy takes (host pages have a device block's bytes).
     position_pages = (manager.geometry.full_ids_per_position, manager.geometry.swa_ids_per_position) if host else (0, 0)
@@ -311,9 +326,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             str(i), tokens(r.prompt), SamplingParams(max_tokens=r.output.length), None,
             arrival_time=sent_s, block_hasher=hasher,
         )
+        if offload is not None:
+            offload.on_new_request(req)
         return req
 
     def preempt(victim) -> None:
+        preempted_ids.add(victim.request_id)
         call("free", victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -322,12 +340,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         waiting.appendleft(victim)
         result.preemptions += 1
 
-    while pending or waiting or running:
+    while pending or waiting or running or loading:
         while pending and pending[0][0] <= now:
             sent_s, i = heapq.heappop(pending)
             waiting.append(make_request(i, sent_s))
             in_prefill[str(i)] = True
-        if not waiting and not running:
+        if not waiting and not running and not loading:
             now = pending[0][0]
             continue
         budget = params.token_budget
@@ -344,7 +362,9 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             req = running[idx]
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap or budget)
             while True:
-                if call("allocate_slots", req, n) is not None:
+                new = call("allocate_slots", req, n)
+                if new is not None:
+                    step_ids[req.request_id] = new.get_block_ids(allow_none=True)
                     break
                 victim = running.pop()
                 if victim.request_id in scheduled:
@@ -360,19 +380,52 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             idx += 1
         while waiting and budget > 0 and len(running) < params.max_running and not preempted:
             req = waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its load from host is done: as vLLM's `_update_waiting_for_remote_kv`.
+                manager.cache_blocks(req, req.num_computed_tokens)
+                if req.num_computed_tokens == req.num_tokens:
+                    req.num_computed_tokens -= 1
+                n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap or budget)
+                if call("allocate_slots", req, n) is None:
+                    break
+                waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                running.append(req)
+                scheduled[req.request_id] = n
+                budget -= n
+                continue
             full_hit = 0 if is_mimo else _full_group_hit(manager, req)
             blocks, hit, boundary = call("get_computed_blocks", req)
             req.shared_prefix_boundary = boundary
             external = call("host_extension", req) if host is not None else 0
+            if offload is not None:
+                external = offload.lookup(req, hit)
+                if external is None:
+                    break  # a transfer of its blocks is in flight: next step
             n = min(req.num_tokens - hit - external, budget, chunk_cap or budget)
             new = call(
-                "allocate_slots", req, n, num_new_computed_tokens=hit, new_computed_blocks=blocks,
-                num_external_computed_tokens=external, full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
+                "allocate_slots", req, 0 if offload is not None and external else n, num_new_computed_tokens=hit,
+                new_computed_blocks=blocks, num_external_computed_tokens=external,
+                delay_cache_blocks=offload is not None and external > 0,
+                full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
             )
             if new is None:
                 break
             waiting.popleft()
-            if external:
+            if offload is not None:
+                offload.after_alloc(req, external)
+                if external:  # loaded this step; it runs from the next (vLLM: WAITING_FOR_REMOTE_KVS)
+                    if req.num_preemptions == 0:
+                        result.prompt_tokens += req.num_prompt_tokens
+                        result.hit_tokens += hit + external
+                        result.host_hit_tokens += external
+                        result.ideal_hit_tokens += ideal[int(req.request_id)]
+                        result.full_hit_tokens += max(full_hit, hit + external)
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    req.num_computed_tokens = hit + external
+                    loading[req.request_id] = req
+                    continue
+            if external and host is not None:
                 # The copies from host happen before the step's forward (`--host-gbps`).
                 plan = manager.cache.take_load(req.request_id)
                 loaded_bytes += (len(plan.full) * position_pages[0] + len(plan.swa) * position_pages[1]) * block_bytes
@@ -393,7 +446,24 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             scheduled[req.request_id] = n
             budget -= n
 
-        if not scheduled:
+        if offload is not None:
+            new_ids, cached_ids, resumed = {}, {}, set()
+            for rid in scheduled:
+                if rid not in known:
+                    new_ids[rid] = manager.get_block_ids(rid)
+                    known.add(rid)
+                elif rid not in step_ids:  # re-admitted after preemption: all its blocks
+                    cached_ids[rid] = manager.get_block_ids(rid)
+                    resumed.add(rid)
+                else:
+                    cached_ids[rid] = step_ids[rid]
+            done, loaded_bytes = offload.step(new_ids, cached_ids, resumed, dict(scheduled), preempted_ids)
+            step_ids.clear()
+            preempted_ids.clear()
+            for rid in done:
+                waiting.appendleft(loading.pop(rid))
+        transfers = bool(loading) or (offload is not None and (offload.busy or bool(done)))
+        if not scheduled and not transfers:
             req = waiting[0]
             raise ValueError(
                 f"{kv_gib} GiB ({num_blocks} blocks) cannot hold request {req.request_id} "
@@ -426,6 +496,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             req.append_output_token_ids(out[req.num_output_tokens])
             if req.num_output_tokens >= len(out):
                 req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                if offload is not None:
+                    offload.finished(req)
                 call("free", req)
                 running.remove(req)
                 finished += 1
@@ -451,12 +523,17 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         result.prefill_steps_cut = step_budget.steps_cut if step_budget is not None else 0
         result.peak_swa_blocks_per_request = m.peak_swa_blocks_per_request
         result.peak_anchor_window_blocks_per_request = m.peak_anchor_window_blocks_per_request
+    if offload is not None:
+        result.host_bytes_stored, result.host_bytes_loaded = offload.bytes_stored, offload.bytes_loaded
+        result.host_restored_tokens = offload.restored_tokens
     if host is not None:
         full_bytes, swa_bytes = position_pages[0] * block_bytes, position_pages[1] * block_bytes
         stats = host.stats
         result.host_bytes_stored = stats.stored_full * full_bytes + stats.stored_swa * swa_bytes
         result.host_bytes_loaded = stats.loaded_full * full_bytes + stats.loaded_swa * swa_bytes
         result.host_restored_tokens = stats.hit_tokens
+        if stats.stored_anchors:
+            result.host_swa_tokens_per_anchor = stats.stored_swa * manager.block_size / stats.stored_anchors
     result.peak_blocks = peak
     result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
     result.sim_seconds = now

@@ -4,22 +4,38 @@
 # Budgets are chosen per workload from the swa-free ceiling (see eval/RESULTS.md).
 #   eval/run_replay_suite.sh              sessions closed-loop (the default of eval.replay)
 #   eval/run_replay_suite.sh --open-loop  every request at its timestamp; files *-open-loop.*
+#   eval/run_replay_suite.sh --host       the host tier (issue 21) at the same budgets, host
+#       memory 4x the device's: the plugin without and with its host tier (mask-only), the same
+#       storing SWA tails whole, vLLM's own OffloadingConnector; and swa-free at device + host
+#       bytes (5x), the reference. Files eval/results/host-<workload>[-open-loop].{json,txt}
+#   ONLY="mixed agent-sessions" eval/run_replay_suite.sh ...   those workloads only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=eval/results
-EXTRA=() SUFFIX=
-case "${1:-}" in
-  "") ;;
-  --open-loop) EXTRA=(--open-loop) SUFFIX=-open-loop ;;
-  *) echo "usage: $0 [--open-loop]" >&2; exit 2 ;;
-esac
+EXTRA=() SUFFIX= HOST= ONLY=${ONLY:-}
+for arg in "$@"; do
+  case "$arg" in
+    --open-loop) EXTRA=(--open-loop) SUFFIX=-open-loop ;;
+    --host) HOST=1 ;;
+    *) echo "usage: $0 [--open-loop] [--host]" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT"
 run() {  # name, source args..., -- budgets...
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $1 "* ]]; then return 0; fi
   local name=$1$SUFFIX; shift
   local src=(); while [ "$1" != "--" ]; do src+=("$1"); shift; done; shift
-  "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
-    --json "$OUT/replay-$name.json" --plot "$OUT/replay-$name.png" | tee "$OUT/replay-$name.txt"
+  if [ -z "$HOST" ]; then
+    "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
+      --json "$OUT/replay-$name.json" --plot "$OUT/replay-$name.png" | tee "$OUT/replay-$name.txt"
+    return
+  fi
+  local five=(); for g in "$@"; do five+=("$(awk "BEGIN{print 5*$g}")"); done
+  "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" --quiet \
+    --engines mimo,mimo-host,mimo-host-dense,upstream-offload --json "$OUT/host-$name.json" | tee "$OUT/host-$name.txt"
+  "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "${five[@]}" --quiet \
+    --engines swa-free --json "$OUT/host-$name-swa-free-5x.json" | tee -a "$OUT/host-$name.txt"
 }
 run shared-system-prompt --workload shared-system-prompt -- 2 3 4 8 16
 run agent-sessions --workload agent-sessions -- 4 6 8 12 16

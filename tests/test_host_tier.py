@@ -14,10 +14,10 @@ from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
 
 
-def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False) -> HybridKVCacheManager:
+def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False, grid: int = 0) -> HybridKVCacheManager:
     return HybridKVCacheManager(
         kv_config(num_blocks), 4096, BLOCK, BLOCK, max_num_running=4,
-        mimo_config=MimoConfig(grid_anchor_tokens=0), host_pages=host_pages, host_dense=host_dense,
+        mimo_config=MimoConfig(grid_anchor_tokens=grid), host_pages=host_pages, host_dense=host_dense,
     )
 
 
@@ -179,18 +179,20 @@ def test_reset_drops_the_host_copies_too():
     m.check_integrity()
 
 
-def test_anchors_demoted_before_they_ever_served_are_dropped_not_stored():
-    from vllm_mimo.block_manager.anchors import AnchorState
+def test_grid_anchors_given_up_on_before_they_served_are_dropped_the_rest_stored():
+    from vllm_mimo.block_manager.anchors import AnchorKind, AnchorState
     from vllm_mimo.block_manager.base import CacheObserver
 
-    m = _manager(host_pages=2000)
-    states = []
+    m = _manager(host_pages=4000, grid=2 * BLOCK)
+    evicted = []
 
     class Evictions(CacheObserver):
         def anchor_evicted(self, anchor, cause) -> None:
-            states.append(anchor.state)
+            evicted.append((anchor.kinds == {AnchorKind.GRID} and anchor.state is AnchorState.DEMOTED_UNSERVED, anchor.node))
 
     m.cache.subscribe(Evictions())
     _sessions(m, 20)
-    unserved = states.count(AnchorState.DEMOTED_UNSERVED)
-    assert unserved and m.cache.host.num_anchors + m.cache.host.stats.evicted_anchors == len(states) - unserved
+    dropped = sum(1 for speculative, _ in evicted if speculative)
+    stored_nodes = {id(node) for speculative, node in evicted if not speculative}
+    assert dropped and stored_nodes
+    assert m.cache.host.stats.stored_anchors == len(stored_nodes)  # one store per node

@@ -330,3 +330,24 @@ def test_sensitivity_replays_both_anchor_orders_at_nearby_budgets(tmp_path, caps
         with pytest.raises(SystemExit):
             replay_sensitivity.main([*args, "--kv-gib", "1.5", *bad])
         assert message in capsys.readouterr().err
+
+
+def test_host_tier_engines_extend_hits_from_host_memory(tmp_path, capsys):
+    """With a host tier 4x the device: the plugin's (mask-only) hits more than without one, and
+    stores at most a window of SWA KV per anchor; storing SWA tails whole fills the host with
+    SWA KV; vLLM's OffloadingConnector, driven for real, loads from host too."""
+    runs = _run(tmp_path, "--workload", "agent-sessions", "--layout", "mimo-v2.5-pro", "--kv-gib", "1.5",
+                "--max-requests", "60", "--engines", "mimo,mimo-host,mimo-host-dense,upstream-offload")
+    mimo, host, dense, offload = (runs[(e, 1.5)] for e in ("mimo", "mimo-host", "mimo-host-dense", "upstream-offload"))
+    assert host["host_gib"] == dense["host_gib"] == offload["host_gib"] == 6.0 and mimo["host_gib"] == 0
+    assert host["hit_tokens"] > mimo["hit_tokens"] and 0 < host["host_hit_tokens"] < host["hit_tokens"]
+    assert host["host_bytes_loaded"] > 0 and host["bytes_loaded_per_restored_token"] > 0
+    assert 0 < host["host_swa_tokens_per_anchor"] <= 128 < dense["host_swa_tokens_per_anchor"]  # W = 128
+    assert offload["host_hit_tokens"] > 0 and offload["host_bytes_stored"] > 0
+    assert mimo["host_bytes_stored"] == mimo["host_hit_tokens"] == 0
+    for run in runs.values():
+        assert run["hit_tokens"] <= run["ideal_hit_tokens"]
+    for bad, message in ((["--host-gib", "0"], "--host-gib must be > 0"), (["--host-gbps", "-1"], "--host-gbps must be > 0")):
+        with pytest.raises(SystemExit):
+            replay.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "1", *bad])
+        assert message in capsys.readouterr().err

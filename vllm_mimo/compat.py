@@ -101,6 +101,12 @@ _LAZY = {
     "FlashInferMetadataBuilder": ("vllm.v1.attention.backends.flashinfer", "FlashInferMetadataBuilder"),
     "flashinfer_layout_string": ("vllm.v1.attention.backends.utils", "get_flashinfer_layout_string"),
     "gpu_sync_allowed": ("vllm.utils.gpu_sync_debug", "gpu_sync_allowed"),
+    # vLLM's own host offloading, driven by the replay (eval/upstream_offload.py).
+    "OffloadingConnector": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", "OffloadingConnector"),
+    "OffloadingWorkerMetadata": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.common", "OffloadingWorkerMetadata"),
+    "KVConnectorRole": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole"),
+    "KVConnectorOutput": ("vllm.v1.outputs", "KVConnectorOutput"),
+    "KVTransferConfig": ("vllm.config", "KVTransferConfig"),
     "custom_ops": ("vllm._custom_ops", None),
     "vllm_envs": ("vllm.envs", None),
 }

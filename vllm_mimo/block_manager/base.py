@@ -248,6 +248,7 @@ class KVCache(ABC):
         headroom: int = 0,
         whole_request: bool = False,
         cache: bool = True,
+        external_tokens: int = 0,
     ) -> NewBlocks | None:
         """Room for `num_new_tokens` more tokens (+ lookahead) of the request, evicting as
         needed; None, changing nothing, if the pools cannot hold them with `headroom` block ids
@@ -255,7 +256,9 @@ class KVCache(ABC):
 
         A request not running yet is admitted: it adopts a window-safe hit of `hit_tokens` (of
         `match`, or the prefix matched again), taking references on its nodes. With `cache`,
-        the positions the new tokens fill are offered to the tree.
+        the positions the new tokens fill are offered to the tree. `external_tokens`: positions
+        past the hit that come from another tier (loaded, not computed); they get blocks like
+        new tokens and count as computed.
         """
 
     @abstractmethod

@@ -16,7 +16,8 @@ a referenced descendant and Full eviction can always go leaf first.
 Where a new block comes from: the pool's own free list, else the other pool's (see `pools.py`),
 else eviction (`evict`). Anchors also have a budget (`anchor_budget_fraction`); over it, anchors
 are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
-instead of dropped (unless it was demoted before it ever served a hit: see `_evict_anchor`), and a request's hit extends into what the host holds (`host_extend`): its
+instead of dropped (but a grid anchor given up on before it served: `_evict_anchor`), and a
+request's hit extends into what the host holds (`host_extend`): its
 positions past the device's hit are allocated like new tokens and loaded from host
 (`take_load`), the way vLLM treats a KV connector's external computed tokens.
 """
@@ -535,12 +536,13 @@ class HybridKVCache(KVCache):
     def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
         for evicted in self._observers.anchor_evicted:
             evicted(anchor, cause)
-        # The host takes every anchor but those demoted before they ever served: what the
-        # anchor policy expects no hit at is not worth host memory either.
-        demote_to_host = self.host is not None and anchor.state is not AnchorState.DEMOTED_UNSERVED
+        # The host takes every evicted anchor but a grid anchor demoted before it served: grid
+        # points are placed everywhere on speculation, and one the policy gave up on is not
+        # worth a window of host memory (how this was chosen: eval/RESULTS.md, issue 21).
+        speculative = anchor.kinds == {AnchorKind.GRID} and anchor.state is AnchorState.DEMOTED_UNSERVED
         self.anchors.evicted(anchor)
-        if demote_to_host:
-            self._stores.extend(self.host.store(anchor.node, anchor.window, self._tick))  # type: ignore[union-attr]
+        if self.host is not None and not speculative:
+            self._stores.extend(self.host.store(anchor.node, anchor.window, self._tick))
         self._free_window(anchor)
 
     def _drop_anchor(self, anchor: Anchor) -> None:

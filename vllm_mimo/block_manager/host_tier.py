@@ -59,6 +59,8 @@ class HostStats:
     loaded_swa: int = 0
     hit_tokens: int = 0
     """Tokens of hits past the device's, loaded from host."""
+    stored_anchors: int = 0
+    """Anchors demoted to host."""
     skipped_stores: int = 0
     """Anchors dropped because the host could not take them."""
     evicted_anchors: int = 0
@@ -182,6 +184,7 @@ class HostTier:
                 w.host_swa_refs += 1
         self._anchors += 1
         heapq.heappush(self._lru, (tick, next(self._seq), anchor))
+        self.stats.stored_anchors += 1
         self.stats.stored_full += len(path)
         self.stats.stored_swa += len(swa)
         return copies
