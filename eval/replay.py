@@ -2,13 +2,17 @@
 
     python -m eval.replay (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
         [--engines upstream-r0,upstream-dense,upstream-r512,swa-free,mimo,mimo-stock-attention]
-        [--max-requests N] [--max-model-len TOKENS] [--prefill-chunk TOKENS] [--json OUT] [--plot OUT.png]
+        [--host-gib H] [--host-gbps B] [--max-requests N] [--max-model-len TOKENS] [--prefill-chunk TOKENS] [--json OUT] [--plot OUT.png]
 
 No model is loaded. For each KV budget, every engine gets the `KVCacheConfig` vLLM builds for
 the layout at that budget (`swa-free`: the same number of blocks with the SWA groups removed;
 `mimo`: the plugin with its defaults, window-local SWA attention; `mimo-stock-attention`: the
 plugin on vLLM's stock attention backends, whose prefill chunks need SWA blocks for every
-token),
+token; with a host tier of `--host-gib` (default 4x the budget), not in the default list:
+`mimo-host`, the plugin whose evicted anchors go to host memory (mask-only SWA) and whose hits
+extend into it, loaded at `--host-gbps`; `mimo-host-dense`, the same keeping every stored
+position's SWA KV; `upstream-offload`, upstream with vLLM's own `OffloadingConnector`, its
+scheduler side driven for real, `eval/upstream_offload.py`),
 real `Request` objects with vLLM's block hasher, and the same scheduling loop: FCFS, running
 requests first, chunked prefill under a token budget, recompute preemption of the newest running
 request, a cap on running requests, decode one token per step, blocks freed at the end; for the
@@ -30,7 +34,10 @@ groups, beyond the windows a window-local allocation keeps for anchors inside a 
 are reported apart); mean CPU microseconds per manager call
 (`get_computed_blocks`, `allocate_slots`, `free`; the plugin's per-step budget call adds its time
 but is not counted as a call); steps the plugin's cut held back; requests skipped as longer
-than `--max-model-len` (vLLM would reject them), left out of every count.
+than `--max-model-len` (vLLM would reject them), left out of every count. Host-tier engines
+also: hit tokens loaded from host (part of the hits), bytes stored to and loaded from host, bytes
+loaded per restored token, SWA tokens stored per anchor; a step that loads takes that many
+bytes over `--host-gbps` longer; stores run beside the steps (counted, not timed).
 """
 
 from __future__ import annotations
@@ -386,7 +393,13 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 if req.num_computed_tokens == req.num_tokens:
                     req.num_computed_tokens -= 1
                 n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap or budget)
-                if call("allocate_slots", req, n) is None:
+                new = call("allocate_slots", req, n)
+                # Where vLLM would wait forever (its next chunk does not fit with nothing else
+                # running: stock SWA needs blocks for the whole chunk), take the largest that fits.
+                while new is None and not running and not scheduled and n > 1:
+                    n //= 2
+                    new = call("allocate_slots", req, n)
+                if new is None:
                     break
                 waiting.popleft()
                 req.status = RequestStatus.RUNNING
@@ -463,6 +476,14 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             for rid in done:
                 waiting.appendleft(loading.pop(rid))
         transfers = bool(loading) or (offload is not None and (offload.busy or bool(done)))
+        if not scheduled and not transfers and offload is not None:
+            # Loaded requests hold their blocks; one behind a request that cannot fit, with
+            # nothing running, would wait forever: it goes first.
+            ready = next((r for r in waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS), None)
+            if ready is not None:
+                waiting.remove(ready)
+                waiting.appendleft(ready)
+                transfers = True
         if not scheduled and not transfers:
             req = waiting[0]
             raise ValueError(

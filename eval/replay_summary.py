@@ -1,6 +1,7 @@
 """Summarize `eval.replay` JSON files as one Markdown table: the plugin against upstream.
 
     python -m eval.replay_summary eval/results/replay-*.json
+    python -m eval.replay_summary --host eval/results/host-*[!x].json
 
 Per (source, budget): ideal hit tokens, upstream's default (retention 0), the best upstream
 setting, swa-free, the plugin, and the ratios the issue asks about: plugin / upstream default,
@@ -9,6 +10,13 @@ simulated time to first token (plugin / upstream default), manager CPU microseco
 (plugin / upstream default); and, where the file has the plugin on vLLM's stock attention
 backends (`mimo-stock-attention`), the plugin's hits and mean TTFT over that, and the peak SWA
 blocks one request held (plugin / stock attention).
+
+`--host`: the files of `eval/run_replay_suite.sh --host`, each with its `-swa-free-5x.json`
+beside it. Per (source, budget): the host memory, the ideal, the plugin without a host tier,
+with its host tier (`mimo-host`), storing SWA tails whole (`mimo-host-dense`), vLLM's
+`OffloadingConnector` (`upstream-offload`); the host tier over the other two; the host tier's
+and `swa-free`'s (at device + host bytes) fractions of the ideal; SWA tokens stored per anchor;
+bytes loaded per restored token and mean TTFT (host tier / upstream-offload).
 """
 
 from __future__ import annotations
@@ -56,10 +64,48 @@ def summary_rows(path: Path) -> list[str]:
     return rows
 
 
+def host_rows(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    source = Path(data["source"]).stem
+    reference = json.loads(path.with_name(path.stem + "-swa-free-5x.json").read_text())
+    free = {run["kv_gib"]: run for run in reference["runs"]}
+    by_budget: dict[float, dict[str, dict]] = {}
+    for run in data["runs"]:
+        by_budget.setdefault(run["kv_gib"], {})[run["engine"]] = run
+    rows = []
+    for gib in sorted(by_budget):
+        runs = by_budget[gib]
+        mimo, host, dense, offload = (runs[e] for e in ("mimo", "mimo-host", "mimo-host-dense", "upstream-offload"))
+        ideal = host["ideal_hit_tokens"]
+        reference_run = free[round(5 * gib, 6)]
+        rows.append(
+            f"| {source} | {gib:g} | {host['host_gib']:g} | {ideal:,} | {mimo['hit_tokens']:,} | {host['hit_tokens']:,} | "
+            f"{dense['hit_tokens']:,} | {offload['hit_tokens']:,} | {host['hit_tokens'] / max(offload['hit_tokens'], 1):.3f} | "
+            f"{host['hit_tokens'] / max(dense['hit_tokens'], 1):.3f} | {host['hit_tokens'] / ideal:.3f} | "
+            f"{reference_run['hit_tokens'] / ideal:.3f} | {host['host_swa_tokens_per_anchor']:.0f} / {dense['host_swa_tokens_per_anchor']:.0f} | "
+            f"{host['bytes_loaded_per_restored_token'] / 1024:.0f} / {offload['bytes_loaded_per_restored_token'] / 1024:.0f} | "
+            f"{host['ttft_mean_s']:.2f} / {offload['ttft_mean_s']:.2f} / {mimo['ttft_mean_s']:.2f} |"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_summary", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="JSON files written by `eval.replay --json`")
+    parser.add_argument("--host", action="store_true", help="the host tier's table (files of `eval/run_replay_suite.sh --host`)")
     args = parser.parse_args(argv)
+    if args.host:
+        print(
+            "| workload | KV GiB | host GiB | ideal | plugin | host tier | host tier, dense SWA | upstream-offload | "
+            "÷ upstream-offload | ÷ dense | host tier ÷ ideal | swa-free (device + host) ÷ ideal | "
+            "SWA tokens per stored anchor (mask-only / dense) | KiB loaded per restored token (host tier / "
+            "upstream-offload) | TTFT s (host tier / upstream-offload / plugin) |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for path in args.files:
+            for row in host_rows(path):
+                print(row)
+        return 0
     print(
         "| workload | KV GiB | ideal | upstream r0 | best upstream | swa-free | plugin | ÷ r0 | "
         "÷ best upstream | ÷ swa-free | pseudo / hits | TTFT s (plugin / r0) | µs per call (plugin / r0) | "

@@ -12,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+# vLLM's block hashes and the OffloadingConnector's order follow Python's hash seed: fix it.
+export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 OUT=eval/results
 EXTRA=() SUFFIX= HOST= ONLY=${ONLY:-}
 for arg in "$@"; do
