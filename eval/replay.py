@@ -290,7 +290,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     offload = made[3] if len(made) > 3 else None
     # upstream-offload: requests waiting for their load from host; those the connector has seen
     # scheduled; this step's new block ids per running request; this step's preempted ones.
-    loading: dict[str, Any] = {}
+    loading: dict[str, Request] = {}
     known: set[str] = set()
     step_ids: dict[str, tuple] = {}
     preempted_ids: set[str] = set()

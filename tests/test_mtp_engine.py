@@ -14,10 +14,6 @@ Each engine runs in a subprocess in in-process mode (`eval.bench_mtp.engine_job`
 can be recorded.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

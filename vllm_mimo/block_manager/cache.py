@@ -40,7 +40,7 @@ from vllm_mimo.block_manager.base import (
     SizeInfo,
 )
 from vllm_mimo.block_manager.geometry import KVGeometry, cdiv
-from vllm_mimo.block_manager.host_tier import Copy, HostMatch, HostTier, LoadPlan
+from vllm_mimo.block_manager.host_tier import Copy, HostTier, LoadPlan
 from vllm_mimo.block_manager.placement import AnchorPlacement
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch, position_hashes
