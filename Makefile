@@ -38,7 +38,7 @@ demo: setup
 	$(PY) -m eval.bench_serve --workload shared-system-prompt --duration 90
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 check: setup
 	$(PY) -m pytest -m "not engine" tests

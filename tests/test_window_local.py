@@ -7,14 +7,15 @@ plan against the same reference; the CUDA path's split plan run through FlashInf
 against it; negative controls for each.
 
 Engine lane (float32, the tiny models): greedy tokens with the plugin off and on with
-`window-local` are the same on the `mimo` (MTP drafting on), `mimo-flash` and `gemma3` layouts
-(on `mimo` also on with `stock`: the same tokens, hits and drafts, more SWA blocks), for
-prompts of 100 to 6,000 tokens (3,000 on `mimo-flash` and `gemma3`) in 1,000-token steps
-(chunks larger than, equal to and smaller
+`window-local` are the same on the `mimo` (MTP drafting on) and `gemma3` layouts (on `mimo`
+also on with `stock`: the same tokens, hits and drafts, more SWA blocks), for prompts of 100 to
+6,000 tokens (3,000 on `gemma3`) in 1,000-token steps (chunks larger than, equal to and smaller
 than W, batches mixing decode and prefill), hits at anchors inside earlier chunks (mid-window:
 W = one 128-token block); the manager hands out null blocks inside chunks; a manager that
 keeps one position fewer gives different tokens. Preemption with window-local attention (and
-with `stock`) is in tests/test_engine_kv_manager.py.
+with `stock`) is in tests/test_engine_kv_manager.py, and so is `mimo-flash` with window-local
+attention (its sessions under preemption and MTP, plugin on against off): its runs here went
+to keep `make test` under 30 minutes.
 """
 
 from __future__ import annotations
@@ -351,7 +352,7 @@ def _interior_nulls(run) -> bool:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("layout", ["mimo", "mimo-flash", "gemma3"])
+@pytest.mark.parametrize("layout", ["mimo", "gemma3"])
 def test_window_local_gives_the_same_tokens_with_less_swa_memory(engine_runs, layout):
     runs = engine_runs(layout)
     off, local = runs["off"], runs["window-local"]
