@@ -91,3 +91,36 @@ def run_engine(
         raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{tail}")
     data = json.loads(result[-1][len("RESULT ") :])
     return EngineRun(data["batches"], data["workers"], log, data["turns"], data["mimo"], data["preemptions"])
+
+
+def six_user_sessions(ids: list[int]) -> dict:
+    """Six users, one 300-token system prompt, three turns each (a `run_engine` sessions job)."""
+    return {
+        "system": ids[:300],
+        "turns": [[ids[1000 + 400 * t + 60 * u : 1000 + 400 * t + 60 * u + 40 + 10 * u] for u in range(6)] for t in range(3)],
+    }
+
+
+# The six users' sessions in a KV cache small enough to preempt (144 blocks of the tiny MiMo).
+SIX_USER_KWARGS = {"dtype": "float32", "kv_cache_memory_bytes": 144 * 65536, "max_model_len": 1024, "disable_log_stats": False}
+
+
+@pytest.fixture(scope="session")
+def six_user_runs(tiny_models):
+    """`runs(name, env=..., llm_kwargs=..., patch=...)`: the six users' sessions on the tiny MiMo
+    (100 output tokens per turn), run once per name for the whole suite (the plugin-off run is
+    every module's reference)."""
+    from tests.prompts import corpus_ids
+
+    done: dict[str, EngineRun] = {}
+
+    def runs(name: str, *, env: dict | None = None, llm_kwargs: dict | None = None, patch: str | None = None) -> EngineRun:
+        if name not in done:
+            job = six_user_sessions(corpus_ids(tiny_models["mimo"], 6000))
+            done[name] = run_engine(
+                tiny_models["mimo"], sessions=job, env=env, max_tokens=100,
+                llm_kwargs={**SIX_USER_KWARGS, **(llm_kwargs or {})}, patch=patch,
+            )
+        return done[name]
+
+    return runs

@@ -203,3 +203,31 @@ def test_pin_file_needs_prefix_caching(tiny_models, tmp_path):
             tiny_models["mimo"], enable_prefix_caching=False,
             additional_config={"mimo": {"pin_prompts_file": str(pins)}},
         )
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"host_tier_gib": -1}, r"host_tier_gib=-1.0 is out of range; allowed: 0.0 <= value <= 1048576.0"),
+        ({"host_tier_gib": 100000}, r"host_tier_gib=100000 is more than this machine's memory \(\d+\.\d GiB\); allowed: 0 <= host_tier_gib <= "),
+        ({"host_tier_gib": "4"}, r"host_tier_gib='4' has type str; expected float"),
+    ],
+)
+def test_bad_host_tier_gib_fails_at_vllm_startup(tiny_models, section, message):
+    with pytest.raises(Exception, match=message):
+        _engine_config(tiny_models["mimo"], additional_config={"mimo": section})
+
+
+def test_host_tier_installs_the_plugins_connector_and_refuses_another(tiny_models):
+    from vllm.config import KVTransferConfig
+
+    config = _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}})
+    transfer = config.kv_transfer_config
+    assert (transfer.kv_connector, transfer.kv_connector_module_path) == ("MimoHostTierConnector", "vllm_mimo.offload.connector")
+    assert transfer.kv_load_failure_policy == "recompute"
+    assert _engine_config(tiny_models["mimo"]).kv_transfer_config is None  # off by default
+    other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with pytest.raises(Exception, match=r"host_tier_gib=0.5 installs the plugin's KV connector .* already names ExampleConnector"):
+        _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, kv_transfer_config=other)
+    with pytest.raises(Exception, match=r"host_tier_gib=0.5 needs prefix caching"):
+        _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, enable_prefix_caching=False)

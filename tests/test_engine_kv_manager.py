@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.conftest import run_engine
+from tests.conftest import run_engine, six_user_sessions
 from tests.prompts import corpus_ids
 
 pytestmark = pytest.mark.engine  # starts real vLLM engines: the slow lane (`make check` skips it)
@@ -27,25 +27,12 @@ def ids(tiny_models):
     return corpus_ids(tiny_models["mimo"], 6000)
 
 
-def _six_user_sessions(ids: list[int]) -> dict:
-    return {
-        "system": ids[:300],
-        "turns": [[ids[1000 + 400 * t + 60 * u : 1000 + 400 * t + 60 * u + 40 + 10 * u] for u in range(6)] for t in range(3)],
-    }
-
-
 @pytest.fixture(scope="module")
-def sessions(tiny_models, ids):
-    """Six users, one system prompt, three turns each, in a KV cache small enough to preempt:
-    the plugin's defaults (window-local SWA attention), the plugin on vLLM's stock attention,
-    and the plugin off."""
-    job = _six_user_sessions(ids)
-    kwargs = {**FP32, "kv_cache_memory_bytes": 144 * 65536, "max_model_len": 1024, "disable_log_stats": False}
+def sessions(six_user_runs):
+    """The six users' sessions (`tests.conftest.six_user_runs`) with the plugin's defaults
+    (window-local SWA attention), on vLLM's stock attention, and with the plugin off."""
     stock = {"additional_config": {"mimo": {"swa_attention": "stock"}}}
-    return {
-        side: run_engine(tiny_models["mimo"], sessions=job, env=env, max_tokens=100, llm_kwargs={**kwargs, **extra})
-        for side, env, extra in (("on", {}, {}), ("stock", {}, stock), ("off", OFF, {}))
-    }
+    return {"on": six_user_runs("on"), "stock": six_user_runs("stock", llm_kwargs=stock), "off": six_user_runs("off", env=OFF)}
 
 
 def test_multi_turn_sessions_under_preemption_give_the_same_tokens(sessions):
@@ -160,7 +147,7 @@ def flash_sessions(tiny_models, ids):
     kwargs = {**FP32, "kv_cache_memory_bytes": 288 * 65536, "max_model_len": 1024, "disable_log_stats": False}
     return {
         side: run_engine(
-            tiny_models["mimo-flash"], sessions=_six_user_sessions(ids), env=env, max_tokens=100, llm_kwargs=kwargs
+            tiny_models["mimo-flash"], sessions=six_user_sessions(ids), env=env, max_tokens=100, llm_kwargs=kwargs
         )
         for side, env in (("on", {}), ("off", OFF))
     }

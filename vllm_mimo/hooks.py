@@ -91,6 +91,9 @@ def configure(vllm_config: Any) -> None:
     if model_config is None or getattr(model_config, "is_submodel_config", False):
         return
     config = MimoConfig.from_vllm_config(vllm_config)
+    from vllm_mimo.offload import check_host_tier_gib
+
+    check_host_tier_gib(config.host_tier_gib)
     from vllm_mimo.metrics import mark_frontend
 
     mark_frontend()
@@ -108,12 +111,19 @@ def configure(vllm_config: Any) -> None:
         return
     layout = layout_from_hf_config(model_config.hf_config)
     if layout is None:
+        if config.host_tier_gib:
+            logger.warning(
+                "vllm-mimo: host_tier_gib=%g is set, but %s is not a hybrid sliding-window model: "
+                "the plugin does nothing, so there is no host tier",
+                config.host_tier_gib,
+                model_config.architecture,
+            )
         logger.debug(
             "vllm-mimo: %s is not a hybrid sliding-window model; the plugin does nothing",
             model_config.architecture,
         )
         return
-    from vllm_mimo import attention_backends
+    from vllm_mimo import attention_backends, offload
     from vllm_mimo.spec_decode import setup
 
     attention_backends.configure(vllm_config, config)
@@ -124,11 +134,13 @@ def configure(vllm_config: Any) -> None:
     if scheduler_config.scheduler_cls is not None:
         logger.warning(
             "vllm-mimo: --scheduler-cls %s was given, so the plugin's scheduler is not "
-            "installed for hybrid SWA model %s",
+            "installed for hybrid SWA model %s%s",
             scheduler_config.scheduler_cls,
             model_config.architecture,
+            ", and there is no host tier (host_tier_gib)" if config.host_tier_gib else "",
         )
         return
+    offload.configure(vllm_config, config)
     scheduler_config.scheduler_cls = (
         ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
     )

@@ -83,6 +83,19 @@ _POOL_COUNTERS = {
     "evicted_blocks": "Cached blocks evicted from this pool.",
 }
 
+_HOST_METRICS = (  # (snapshot key, help, counter or gauge): set in MimoCollector.collect
+    ("hit_tokens", "Prompt tokens of hits loaded from the host tier.", "counter"),
+    ("loads", "Host tier loads (requests).", "counter"),
+    ("failed_loads", "Host tier loads that failed (their requests recomputed).", "counter"),
+    ("stored_anchors", "SWA anchors demoted from device to the host tier.", "counter"),
+    ("skipped_stores", "Anchors dropped because the host tier could not take them.", "counter"),
+    ("load_seconds", "Seconds the workers spent loading from the host tier.", "counter"),
+    ("swapped_out_tokens", "Tokens up to preempted requests' resume points demoted to the host tier.", "counter"),
+    ("swapped_in_tokens", "Tokens of preempted requests' hits loaded from the host tier.", "counter"),
+    ("pages", "Host tier pages (each one device block of one KV cache group's layers).", "gauge"),
+    ("used_pages", "Host tier pages in use.", "gauge"),
+)
+
 
 class MimoCollector:
     """Prometheus collector: the engines' snapshots as `vllm:mimo_*` metrics."""
@@ -94,6 +107,8 @@ class MimoCollector:
         labels = ["model_name", "engine"]
 
         def family(cls, name, doc, extra=()):
+            if isinstance(cls, str):
+                cls = CounterMetricFamily if cls == "counter" else GaugeMetricFamily
             return cls(f"vllm:mimo_{name}", doc, labels=labels + list(extra))
 
         for name, doc in _COUNTERS.items():
@@ -146,6 +161,23 @@ class MimoCollector:
             for s in with_spec:
                 for bucket, values in s["spec_decode"].items():
                     fam.add_metric([s["model_name"], str(s["engine"]), bucket], values["mean_accepted_length"])
+            yield fam
+        with_host = [s for s in snapshots if s.get("host_tier")]
+        for name, doc, cls in _HOST_METRICS:
+            if not with_host:
+                break
+            fam = family(cls, f"host_{name}", doc)
+            for s in with_host:
+                fam.add_metric([s["model_name"], str(s["engine"])], s["host_tier"][name])
+            yield fam
+        for name, doc in (("stored_bytes", "Bytes copied to the host tier, by pool."),
+                          ("loaded_bytes", "Bytes loaded from the host tier, by pool.")):
+            if not with_host:
+                break
+            fam = family(CounterMetricFamily, f"host_{name}", doc, ["pool"])
+            for s in with_host:
+                for pool, value in s["host_tier"][name].items():
+                    fam.add_metric([s["model_name"], str(s["engine"]), pool], value)
             yield fam
         for table, cls in ((_POOL_GAUGES, GaugeMetricFamily), (_POOL_COUNTERS, CounterMetricFamily)):
             for name, doc in table.items():

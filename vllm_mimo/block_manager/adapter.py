@@ -16,6 +16,7 @@ from vllm_mimo.block_manager.anchors import Anchor, AnchorKind
 from vllm_mimo.block_manager.base import CacheObserver
 from vllm_mimo.block_manager.cache import HybridKVCache
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cdiv
+from vllm_mimo.block_manager.host_tier import Copy
 from vllm_mimo.block_manager.metrics import KVManagerMetrics
 from vllm_mimo.block_manager.prefix_tree import Blocks, Node
 from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats, RequestStatus
@@ -46,7 +47,13 @@ class CoordinatorView:
     """The parts of vLLM's KV cache coordinator that the engine and scheduler read."""
 
     single_type_managers: tuple[GroupView, ...]
+    remaining_blocks: Callable[[str, int], int]
     enable_partial_hash_hits: bool = False
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, **_vllm_kwargs: Any) -> int:
+        """Blocks a request still needs to reach `num_tokens` (vLLM reserves them for requests
+        whose KV a connector is loading)."""
+        return self.remaining_blocks(request_id, num_tokens)
 
 
 class HybridKVCacheManager:
@@ -79,8 +86,8 @@ class HybridKVCacheManager:
         `watermark`: vLLM's `--watermark`, the share of blocks kept free when admitting;
         `observers`: subscribed to the cache's events (after its own metrics);
         `window_local`: the SWA groups' attention is window-local (`HybridKVCache`);
-        `host_pages`, `host_dense`: the host tier (`HybridKVCache`; replay only until the
-        plugin's connector moves the bytes);
+        `host_pages`, `host_dense`: the host tier (`HybridKVCache`; in the engine the plugin's
+        connector, `vllm_mimo.offload`, moves the bytes);
         `anchor_filter`, `anchor_victim`, `anchor_worth`: see `HybridKVCache` (measuring tools only)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
@@ -132,7 +139,8 @@ class HybridKVCacheManager:
             tuple(
                 GroupView(gid, group.kv_cache_spec, group.kv_cache_spec.block_size)
                 for gid, group in enumerate(kv_cache_config.kv_cache_groups)
-            )
+            ),
+            self.cache.remaining_blocks,
         )
         self._full_slices = _group_slices(geometry, geometry.full_group_ids)
         self._swa_slices = _group_slices(geometry, geometry.swa_group_ids)
@@ -229,6 +237,18 @@ class HybridKVCacheManager:
         self._matches.pop(request.request_id, None)
         self.cache.free(request)
 
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
+        """vLLM defers a request's free while a step may still write its blocks and a consumer
+        connector's load into them would not be ordered after that write (async scheduling).
+        The plugin's connector copies on the compute stream, ordered after it: free now."""
+        self.free(request)
+        return []
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        """Partial tail blocks for a producer connector (Mamba align blocks): the plugin's
+        manager has none."""
+        return []
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while requests hold blocks."""
         if not self.cache.reset():
@@ -237,6 +257,12 @@ class HybridKVCacheManager:
         return True
 
     # ------------------------------------------------------------ translation
+
+    def host_copies(self, kind: str, copy: Copy) -> list[tuple[int, int, int]]:
+        """A position's copy between tiers (`HybridKVCache.take_stores` / `take_load`, kind
+        "full" or "swa") as (KV cache group, device block id, host page) per block."""
+        slices = self._full_slices if kind == "full" else self._swa_slices
+        return [(gid, copy.device[i], copy.host[i]) for gid, start, stop in slices for i in range(start, stop)]
 
     def _kv_cache_blocks(self, full: Sequence[Blocks], swa: Sequence[Blocks | None]) -> KVCacheBlocks:
         """vLLM's per-group block lists for these positions (an SWA position of None: null blocks)."""

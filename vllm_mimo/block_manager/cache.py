@@ -198,10 +198,23 @@ class HybridKVCache(KVCache):
         extension), held until `finish_load`."""
         return self._loads.pop(request_id, None)
 
-    def finish_load(self, plan: LoadPlan) -> None:
-        """A load plan's copies are done."""
+    def finish_load(self, plan: LoadPlan, failed: bool = False) -> None:
+        """A load plan's copies are done, or `failed` (the request recomputes; `HostTier.fail_load`)."""
         assert self.host is not None
-        self.host.finish_load(plan)
+        if failed:
+            self.host.fail_load(plan)
+        else:
+            self.host.finish_load(plan)
+
+    def remaining_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Blocks a request needs beyond those it holds to reach `num_tokens` tokens: Full for
+        every position, SWA for its window."""
+        state = self._requests.get(request_id)
+        positions = cdiv(min(num_tokens, self.max_model_len), self.block_size)
+        have_full = len(state.full) if state is not None else 0
+        have_swa = sum(1 for ids in state.swa[state.swa_start :] if ids is not None) if state is not None else 0
+        swa = min(positions, self.window_blocks + 1)
+        return max(0, positions - have_full) * self._n_full + max(0, swa - have_swa) * self._n_swa
 
     def take_stores(self) -> list[tuple[str, Copy]]:
         """The copies to host that demotions since the last call need ("full" / "swa")."""
@@ -343,7 +356,7 @@ class HybridKVCache(KVCache):
         state.full.extend(full)
         state.swa.extend(swa)
         if host_path is not None:
-            self._plan_load(request.request_id, host_path, hit, have_full, load_end, full, swa, held)
+            self._plan_load(request, host_path, hit, have_full, load_end, full, swa, held)
         state.step_blocks = kept_positions
         state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
 
@@ -369,7 +382,7 @@ class HybridKVCache(KVCache):
 
     def _plan_load(
         self,
-        request_id: str,
+        request: Any,
         path: list[Node],
         hit: int,
         have_full: int,
@@ -388,8 +401,10 @@ class HybridKVCache(KVCache):
         stats.loaded_full += len(plan.full)
         stats.loaded_swa += len(plan.swa)
         stats.hit_tokens += (load_end - hit) * self.block_size
+        if request.num_preemptions:
+            stats.swapped_in_tokens += (load_end - hit) * self.block_size
         self.host.touch(path[load_end - 1], self._tick)
-        self._loads[request_id] = plan
+        self._loads[request.request_id] = plan
 
     def anchor_window_positions(
         self, request: Any, nodes: Sequence[Node], num_cached: int, junction: int, start: int, stop: int
@@ -542,7 +557,10 @@ class HybridKVCache(KVCache):
         speculative = anchor.kinds == {AnchorKind.GRID} and anchor.state is AnchorState.DEMOTED_UNSERVED
         self.anchors.evicted(anchor)
         if self.host is not None and not speculative:
+            stored = self.host.stats.stored_anchors
             self._stores.extend(self.host.store(anchor.node, anchor.window, self._tick))
+            if AnchorKind.RESUME in anchor.kinds and self.host.stats.stored_anchors > stored:
+                self.host.stats.swapped_out_tokens += (anchor.node.depth + 1) * self.block_size
         self._free_window(anchor)
 
     def _drop_anchor(self, anchor: Anchor) -> None:

@@ -64,6 +64,12 @@ class HostStats:
     skipped_stores: int = 0
     """Anchors dropped because the host could not take them."""
     evicted_anchors: int = 0
+    failed_loads: int = 0
+    """Loads whose copies failed (`fail_load`): their requests recomputed."""
+    swapped_out_tokens: int = 0
+    """Tokens up to preempted requests' resume anchors demoted to host (preemption as swap)."""
+    swapped_in_tokens: int = 0
+    """Tokens of preempted requests' hits loaded from host."""
 
 
 @dataclass(frozen=True)
@@ -327,6 +333,26 @@ class HostTier:
         """The plan's copies are done: its nodes are no longer held."""
         self.release(plan.held)
         plan.held = []
+
+    def fail_load(self, plan: LoadPlan) -> None:
+        """The plan's copies failed: its nodes are released and their host copies dropped,
+        with every host anchor at or below them or whose window covers them, so no later
+        request is offered the same load."""
+        nodes = {id(node) for node in plan.held}
+        self.finish_load(plan)
+        self.stats.failed_loads += 1
+        victims = []
+        for node in self.tree.nodes.values():
+            anchor = node.host_anchor
+            if anchor is None:
+                continue
+            walk = node
+            while walk.depth >= 0 and id(walk) not in nodes:
+                walk = walk.parent
+            if walk.depth >= 0 or any(id(w) in nodes for w in anchor.window):
+                victims.append(anchor)
+        for anchor in victims:
+            self.evict(anchor)
 
     # -------------------------------------------------------------- integrity
 

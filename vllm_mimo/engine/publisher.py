@@ -11,9 +11,34 @@ from collections.abc import Callable
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.engine.step_budget import StepBudget
 from vllm_mimo.metrics import snapshot_path
+from vllm_mimo.offload.connector import HostTierCounters
 from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
 
 _PUBLISH_INTERVAL_S = 0.25
+
+
+def host_tier_snapshot(manager: HybridKVCacheManager, counters: HostTierCounters) -> dict:
+    """The host tier's part of the snapshot (empty without one)."""
+    host = manager.cache.host
+    if host is None:
+        return {}
+    stats = host.stats
+    return {
+        "pages": host.num_pages,
+        "used_pages": host.used_pages,
+        "hit_tokens": stats.hit_tokens,
+        "stored_anchors": stats.stored_anchors,
+        "skipped_stores": stats.skipped_stores,
+        "evicted_anchors": stats.evicted_anchors,
+        "swapped_out_tokens": stats.swapped_out_tokens,
+        "swapped_in_tokens": stats.swapped_in_tokens,
+        "loads": counters.loads,
+        "failed_loads": counters.failed_loads,
+        "stored_bytes": dict(counters.stored_bytes),
+        "loaded_bytes": dict(counters.loaded_bytes),
+        "load_seconds": counters.load_seconds,
+        "store_seconds": counters.store_seconds,
+    }
 
 
 def manager_snapshot(
@@ -22,6 +47,7 @@ def manager_snapshot(
     acceptance: AcceptanceByBucket | None,
     model_name: str,
     engine_index: int,
+    host_counters: HostTierCounters | None = None,
 ) -> dict:
     """Everything `/metrics` shows for one engine."""
     metrics, pools, size = manager.metrics, manager.cache.pools, manager.cache.size_info()
@@ -43,6 +69,7 @@ def manager_snapshot(
         "peak_swa_blocks_per_request": metrics.peak_swa_blocks_per_request,
         "peak_anchor_window_blocks_per_request": metrics.peak_anchor_window_blocks_per_request,
         "spec_decode": acceptance.snapshot() if acceptance is not None else {},
+        "host_tier": host_tier_snapshot(manager, host_counters) if host_counters is not None else {},
         "pools": {
             pool: {
                 "blocks": pools.home_size[i],

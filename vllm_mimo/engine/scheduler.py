@@ -26,6 +26,7 @@ from vllm_mimo.engine.publisher import SnapshotPublisher, manager_snapshot
 from vllm_mimo.engine.step_budget import StepBudget
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
+from vllm_mimo.offload.connector import MimoHostTierConnector
 from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
 
 GIB = 1 << 30
@@ -40,6 +41,7 @@ class _MimoSchedulerMixin:
     mimo_step_budget: StepBudget | None = None
     _mimo_publisher: SnapshotPublisher | None = None
     mimo_acceptance: AcceptanceByBucket | None = None
+    mimo_host_connector: MimoHostTierConnector | None = None
     _mimo_pins_due = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -95,6 +97,8 @@ class _MimoSchedulerMixin:
                 features.append("memory-aware-prefill")
             if self.mimo_manager.cache.window_local:
                 features.append("window-local-swa")
+            if self.mimo_manager.cache.host is not None:
+                features.append("host-tier")
         if self.mimo_layout is not None and self.mimo_layout.draft_layers > 1:
             features.append(f"mtp-all-layers ({self.mimo_layout.draft_layers} layers)")
         if self.mimo_acceptance is not None:
@@ -102,7 +106,11 @@ class _MimoSchedulerMixin:
         return features
 
     def _install_manager(self) -> None:
-        if self.connector is not None:  # type: ignore[attr-defined]
+        connector = self.connector  # type: ignore[attr-defined]
+        host_pages = 0
+        if isinstance(connector, MimoHostTierConnector):
+            host_pages = connector.num_pages
+        elif connector is not None:
             logger.warning(
                 "vllm-mimo: a KV connector is configured; the hybrid KV manager does not "
                 "take KV from connectors, so vLLM's own KV manager stays in place"
@@ -123,11 +131,25 @@ class _MimoSchedulerMixin:
                 kv_blocks=upstream.block_pool.blocks,
                 watermark=getattr(self.scheduler_config, "watermark", 0.0),  # type: ignore[attr-defined]
                 window_local=swa_attention_mode(self.mimo_config) == "window-local",
+                host_pages=host_pages,
             )
         except UnsupportedKVLayout as e:
-            logger.warning("vllm-mimo: vLLM's own KV manager stays in place: %s", e)
+            logger.warning(
+                "vllm-mimo: vLLM's own KV manager stays in place%s: %s",
+                " and there is no host tier" if host_pages else "",
+                e,
+            )
             return
         self.kv_cache_manager = self.mimo_manager
+        if connector is not None:
+            connector.bind_kv_cache_manager(self.mimo_manager)
+            self.mimo_host_connector = connector
+            if self.mimo_manager.cache.use_eagle:
+                logger.warning(
+                    "vllm-mimo: with EAGLE/MTP drafting the host tier stores evicted anchors but "
+                    "hits are not extended from host yet (the drafter's shifted window is not "
+                    "planned); expect no host hits"
+                )
         if self.enable_kv_cache_events:  # type: ignore[attr-defined]
             logger.warning(
                 "vllm-mimo: KV cache events are enabled, but the hybrid KV manager publishes "
@@ -225,6 +247,7 @@ class _MimoSchedulerMixin:
                 self.mimo_acceptance,
                 vllm_config.model_config.served_model_name,
                 vllm_config.parallel_config.data_parallel_rank,
+                self.mimo_host_connector.counters if self.mimo_host_connector is not None else None,
             ),
             force=force,
         )

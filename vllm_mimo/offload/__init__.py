@@ -1,3 +1,60 @@
-"""The host tier's data plane (host memory, the copies, the KV connector that moves them):
-not built yet. Its index and policy, the host copies on the prefix tree's nodes, are
-`vllm_mimo.block_manager.host_tier`, measured in the replay (`eval.replay --engines mimo-host`)."""
+"""The host tier's data plane: host memory, the copies, and the KV connector that moves them
+(`connector.MimoHostTierConnector`). Its index and policy, the host copies on the prefix tree's
+nodes, are `vllm_mimo.block_manager.host_tier`; the import arrow points from here to there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_mimo.config import MimoConfig, MimoConfigError
+
+CONNECTOR = "MimoHostTierConnector"
+CONNECTOR_MODULE = "vllm_mimo.offload.connector"
+
+
+def machine_memory_gib() -> float:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+
+
+def check_host_tier_gib(gib: float) -> None:
+    """`host_tier_gib` must fit in this machine's memory."""
+    total = machine_memory_gib()
+    if gib > total:
+        raise MimoConfigError(
+            f"host_tier_gib={gib:g} is more than this machine's memory ({total:.1f} GiB); "
+            f"allowed: 0 <= host_tier_gib <= {total:.1f} (0 turns the host tier off)"
+        )
+
+
+def configure(vllm_config: Any, config: MimoConfig) -> None:
+    """With `host_tier_gib > 0` (checked by `check_host_tier_gib`): install the plugin's KV
+    connector in the config (refused if the user configured another connector or turned prefix
+    caching off)."""
+    if not config.host_tier_gib:
+        return
+    from vllm_mimo.compat import KVTransferConfig
+
+    transfer = vllm_config.kv_transfer_config
+    if transfer is not None and transfer.kv_connector == CONNECTOR:
+        return  # a config rebuilt from one this hook already configured
+    if transfer is not None and transfer.kv_connector is not None:
+        raise MimoConfigError(
+            f"host_tier_gib={config.host_tier_gib:g} installs the plugin's KV connector ({CONNECTOR}), "
+            f"but --kv-transfer-config already names {transfer.kv_connector}; set host_tier_gib to 0 "
+            "or drop the other connector"
+        )
+    if not vllm_config.cache_config.enable_prefix_caching:
+        raise MimoConfigError(
+            f"host_tier_gib={config.host_tier_gib:g} needs prefix caching, which is off "
+            "(drop --no-enable-prefix-caching or set host_tier_gib to 0)"
+        )
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector=CONNECTOR,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        # A load that fails makes its request recompute (vLLM's default fails the request).
+        kv_load_failure_policy="recompute",
+    )

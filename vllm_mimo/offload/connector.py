@@ -1,0 +1,235 @@
+"""`MimoHostTierConnector`: the host tier through vLLM's KV connector API.
+
+The plugin installs it by itself (`vllm_mimo.offload.configure`) when `host_tier_gib > 0`; the
+plugin's scheduler binds it to the hybrid KV manager, whose host tier (`HostTier`, on the prefix
+tree's nodes) is the index and the policy. This connector only carries what the manager decides:
+
+  * scheduler side: a request's external tokens are the host extension of its window-safe
+    hit (`HybridKVCacheManager.host_extension`); the load is asynchronous, so the request waits
+    one step in vLLM's WAITING_FOR_REMOTE_KVS while the worker copies, and a load that fails is
+    reported as failed and the request recomputes (vLLM's `recompute` failure policy), its host
+    copies dropped (`HostTier.fail_load`). Each step's metadata carries the stores the
+    manager's demotions made and the loads of the requests admitted with external tokens.
+  * worker side: stores run before the step's forward (`handle_preemptions`, so evicted blocks
+    are read before new tokens overwrite them), loads right after it (`start_load_kv`, into
+    blocks only the loading request holds); the bytes move in `HostKVBuffer`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_mimo import compat
+from vllm_mimo.block_manager.host_tier import LoadPlan
+from vllm_mimo.config import MimoConfig
+from vllm_mimo.log import logger
+from vllm_mimo.offload.host_buffer import HostKVBuffer, PageCopy, host_page_bytes, host_pages
+
+
+@dataclass
+class HostTierMetadata(compat.KVConnectorMetadata):
+    """Scheduler to worker, one step: stores (device to host) and loads by request."""
+
+    stores: list[PageCopy] = field(default_factory=list)
+    loads: dict[str, list[PageCopy]] = field(default_factory=dict)
+
+
+@dataclass
+class HostTierWorkerMeta(compat.KVConnectorWorkerMetadata):
+    """Worker to scheduler, one step: copy time, and whether the host memory exists."""
+
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    available: bool = True
+
+    def aggregate(self, other: Any) -> "HostTierWorkerMeta":
+        return HostTierWorkerMeta(
+            max(self.load_seconds, other.load_seconds),
+            max(self.store_seconds, other.store_seconds),
+            self.available and other.available,
+        )
+
+
+@dataclass
+class HostTierCounters:
+    """What the connector moved, for the metrics (`vllm_mimo.engine.publisher`)."""
+
+    stored_bytes: dict[str, int] = field(default_factory=lambda: {"full": 0, "swa": 0})
+    loaded_bytes: dict[str, int] = field(default_factory=lambda: {"full": 0, "swa": 0})
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    loads: int = 0
+    failed_loads: int = 0
+
+
+class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
+    """The plugin's host tier (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.mimo_config = MimoConfig.from_vllm_config(vllm_config)
+        self.page_bytes = host_page_bytes(kv_cache_config)
+        self.num_pages = host_pages(kv_cache_config, self.mimo_config.host_tier_gib)
+        # Scheduler side.
+        self.manager: Any = None
+        self.available = True
+        self.counters = HostTierCounters()
+        self._pending: dict[str, LoadPlan] = {}
+        self._inflight: dict[str, LoadPlan] = {}
+        self._tags: dict[int, int] = {}
+        self._next_tag = 0
+        # Worker side.
+        self.buffer: HostKVBuffer | None = None
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self._worker_meta: HostTierWorkerMeta | None = None
+
+    # ------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM binds its own manager first; the plugin's scheduler binds the hybrid KV manager
+        once it is installed (only that one has a host tier)."""
+        self._kv_cache_manager = kv_cache_manager
+        self.manager = kv_cache_manager if getattr(getattr(kv_cache_manager, "cache", None), "host", None) else None
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.manager is None or not self.available:
+            return 0, False
+        tokens = self.manager.host_extension(request)
+        return tokens, tokens > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens and self.manager is not None:
+            plan = self.manager.cache.take_load(request.request_id)
+            if plan is not None:
+                self._pending[request.request_id] = plan
+
+    def build_connector_meta(self, scheduler_output: Any) -> HostTierMetadata:
+        meta = HostTierMetadata()
+        if self.manager is None:
+            return meta
+        counters = self.counters
+        for kind, copy in self.manager.cache.take_stores():
+            for gid, block, page in self.manager.host_copies(kind, copy):
+                self._next_tag += 1
+                self._tags[page] = self._next_tag
+                meta.stores.append(PageCopy(gid, block, page, self._next_tag))
+                counters.stored_bytes[kind] += self.page_bytes
+        for request_id, plan in self._pending.items():
+            copies = []
+            for kind, pool in (("full", plan.full), ("swa", plan.swa)):
+                for copy in pool:
+                    for gid, block, page in self.manager.host_copies(kind, copy):
+                        copies.append(PageCopy(gid, block, page, self._tags.get(page, -2)))
+                        counters.loaded_bytes[kind] += self.page_bytes
+            meta.loads[request_id] = copies
+            self._inflight[request_id] = plan
+        self._pending = {}
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        worker = connector_output.kv_connector_worker_meta
+        if isinstance(worker, HostTierWorkerMeta):
+            self.counters.load_seconds += worker.load_seconds
+            self.counters.store_seconds += worker.store_seconds
+            if not worker.available and self.available:
+                self.available = False
+                logger.warning("vllm-mimo: the host tier is off: a worker has no host memory for it (see its log)")
+        failed = connector_output.failed_recving or set()
+        for request_id in connector_output.finished_recving or ():
+            plan = self._inflight.pop(request_id, None)
+            if plan is None:
+                continue
+            self.counters.loads += 1
+            if request_id in failed:
+                self.counters.failed_loads += 1
+                logger.warning("vllm-mimo: host tier load for request %s failed; it recomputes", request_id)
+            self.manager.cache.finish_load(plan, failed=request_id in failed)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        # A request whose load is still being copied keeps its blocks until the worker reports it.
+        return request.request_id in self._inflight, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def on_new_request(self, request: Any) -> None:
+        pass
+
+    def take_events(self) -> list:
+        return []
+
+    # --------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        gib = self.num_pages * self.page_bytes / (1 << 30)
+        try:
+            self.buffer = HostKVBuffer(kv_caches, self._kv_cache_config, self.num_pages)
+        except (RuntimeError, MemoryError) as e:
+            self._worker_meta = HostTierWorkerMeta(available=False)
+            logger.warning("vllm-mimo: the host tier is off: cannot allocate %.3f GiB of host memory (%s)", gib, e)
+            return
+        logger.info(
+            "vllm-mimo: host tier: %d pages of %d bytes (%.3f GiB%s)",
+            self.num_pages,
+            self.page_bytes,
+            gib,
+            ", pinned" if self.buffer.cuda else "",
+        )
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Runs before every step's forward: this step's stores read their device blocks now."""
+        if not isinstance(kv_connector_metadata, HostTierMetadata) or not kv_connector_metadata.stores:
+            return
+        if self.buffer is None:
+            return  # the tier is off: nothing is stored, every load fails
+        start = time.perf_counter()
+        self.buffer.store(kv_connector_metadata.stores)
+        self.buffer.synchronize()
+        self._meta().store_seconds += time.perf_counter() - start
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, HostTierMetadata) or not meta.loads:
+            return
+        start = time.perf_counter()
+        for request_id, copies in meta.loads.items():
+            done = self.buffer.load(copies) if self.buffer is not None else None
+            (self._failed if done is None else self._finished).add(request_id)
+        if self.buffer is not None:
+            self.buffer.synchronize()
+        self._meta().load_seconds += time.perf_counter() - start
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self._finished | self._failed
+        self._finished, self._failed = set(), set()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Loads done this step; the failed ones also as failed (vLLM then recomputes them)."""
+        failed = set(self._failed)
+        _, done = self.get_finished(finished_req_ids)
+        return compat.KVConnectorTransferResults(finished_recving=set(done or ()), failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> HostTierWorkerMeta | None:
+        meta, self._worker_meta = self._worker_meta, None
+        return meta
+
+    def _meta(self) -> HostTierWorkerMeta:
+        if self._worker_meta is None:
+            self._worker_meta = HostTierWorkerMeta()
+        return self._worker_meta
