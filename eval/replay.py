@@ -357,6 +357,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             continue
         budget = params.token_budget
         loaded_bytes = 0  # from the host tier, this step
+        host_loaded: list[str] = []  # requests whose load from the plugin's host tier ran this step
         chunk_cap = plugin_chunk_cap if len(running) + len(waiting) > 1 else 0
         full_budget = budget
         if step_budget is not None:
@@ -416,10 +417,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 if external is None:
                     break  # a transfer of its blocks is in flight: next step
             n = min(req.num_tokens - hit - external, budget, chunk_cap or budget)
+            # A load from host, either tier's, runs as vLLM's connectors do: asynchronously, the
+            # request waiting that step (WAITING_FOR_REMOTE_KVS) and running from the next.
             new = call(
-                "allocate_slots", req, 0 if offload is not None and external else n, num_new_computed_tokens=hit,
+                "allocate_slots", req, 0 if external else n, num_new_computed_tokens=hit,
                 new_computed_blocks=blocks, num_external_computed_tokens=external,
-                delay_cache_blocks=offload is not None and external > 0,
+                delay_cache_blocks=external > 0,
                 full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
             )
             if new is None:
@@ -427,25 +430,23 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             waiting.popleft()
             if offload is not None:
                 offload.after_alloc(req, external)
-                if external:  # loaded this step; it runs from the next (vLLM: WAITING_FOR_REMOTE_KVS)
-                    if req.num_preemptions == 0:
-                        result.prompt_tokens += req.num_prompt_tokens
-                        result.hit_tokens += hit + external
-                        result.host_hit_tokens += external
-                        result.ideal_hit_tokens += ideal[int(req.request_id)]
-                        result.full_hit_tokens += max(full_hit, hit + external)
-                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    req.num_computed_tokens = hit + external
-                    loading[req.request_id] = req
-                    continue
-            if external and host is not None:
-                # The copies from host happen before the step's forward (`--host-gbps`).
-                plan = manager.cache.take_load(req.request_id)
-                loaded_bytes += (len(plan.full) * position_pages[0] + len(plan.swa) * position_pages[1]) * block_bytes
-                manager.cache.finish_load(plan)
-                hit += external
+            if external:
+                if host is not None:  # the plugin's copies (`--host-gbps`), done within the step
+                    plan = manager.cache.take_load(req.request_id)
+                    loaded_bytes += (len(plan.full) * position_pages[0] + len(plan.swa) * position_pages[1]) * block_bytes
+                    manager.cache.finish_load(plan)
+                    host_loaded.append(req.request_id)
                 if req.num_preemptions == 0:
+                    result.prompt_tokens += req.num_prompt_tokens
+                    result.hit_tokens += hit + external
                     result.host_hit_tokens += external
+                    result.ideal_hit_tokens += ideal[int(req.request_id)]
+                    if not is_mimo:
+                        result.full_hit_tokens += max(full_hit, hit + external)
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                req.num_computed_tokens = hit + external
+                loading[req.request_id] = req
+                continue
             if req.num_preemptions == 0:
                 result.prompt_tokens += req.num_prompt_tokens
                 result.hit_tokens += hit
@@ -476,6 +477,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             for rid in done:
                 waiting.appendleft(loading.pop(rid))
         transfers = bool(loading) or (offload is not None and (offload.busy or bool(done)))
+        for rid in host_loaded:
+            waiting.appendleft(loading.pop(rid))
         if not scheduled and not transfers and offload is not None:
             # Loaded requests hold their blocks; one behind a request that cannot fit, with
             # nothing running, would wait forever: it goes first.

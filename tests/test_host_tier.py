@@ -283,3 +283,20 @@ def test_host_tier_metrics_reach_prometheus(tmp_path, monkeypatch):
     # Without a host tier, no host families.
     Path(metrics.snapshot_path(0)).write_text(json.dumps(manager_snapshot(_manager(), None, None, "m", 0)))
     assert not [f for f in metrics.MimoCollector().collect() if f.name.startswith("vllm:mimo_host")]
+
+
+def test_with_mtp_drafting_a_host_hit_stops_a_position_short_as_device_hits_do():
+    """EAGLE/MTP: anchors keep one position more of SWA KV and hits stop a position short (the
+    drafter recomputes it); a host extension does the same, so the drafter's KV travels too."""
+    prompt = list(range(100, 100 + 8 * BLOCK))
+    m = HybridKVCacheManager(
+        kv_config(40), 4096, BLOCK, BLOCK, max_num_running=4, mimo_config=MimoConfig(grid_anchor_tokens=0),
+        host_pages=400, use_eagle=True,
+    )
+    first = make_request("s", prompt, max_tokens=4)
+    _run(m, first, output=[1, 2, 3, 4])
+    _sessions(m, 12)
+    turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
+    hit, external = _run(m, turn, output=[1])
+    assert external > 0 and hit + external == (first.num_tokens - 1) // BLOCK * BLOCK - BLOCK, (hit, external)
+    assert m.cache.host.stats.loaded_swa == m.geometry.window_blocks

@@ -93,3 +93,14 @@ def test_a_load_whose_host_copy_is_gone_recomputes_with_the_same_tokens(runs):
     assert tier["failed_loads"] > 0 and tier["failed_loads"] == tier["loads"], tier
     assert lost.log_lines("host tier load for request")
     assert _tokens(lost) == _tokens(runs["off"])
+
+
+def test_with_mtp_drafting_host_hits_give_the_same_tokens(six_user_runs):
+    """MiMo's MTP layer is an SWA group of its own: its window travels with the others', and a
+    host hit stops a position short for the drafter as device hits do (`HostTier.extend`)."""
+    mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}, "kv_cache_memory_bytes": 200 * 65536}
+    host = six_user_runs("host-mtp", llm_kwargs={**HOST, **mtp})
+    off = six_user_runs("off-mtp", env=OFF, llm_kwargs=mtp)
+    tier = host.mimo["host_tier"]
+    assert tier["hit_tokens"] > 0 and tier["failed_loads"] == 0 and host.mimo["spec_decode"], tier
+    assert _tokens(host) == _tokens(off)

@@ -116,7 +116,10 @@ class HybridKVCache(KVCache):
         self.pools = BlockPools(geometry.num_blocks, swa_blocks)
         self.tree = PrefixTree()
         self.host = (
-            HostTier(self.tree, host_pages, self._n_full, self._n_swa, self.window_blocks, dense=host_dense)
+            HostTier(
+                self.tree, host_pages, self._n_full, self._n_swa, self.window_blocks,
+                dense=host_dense, back_off=1 if use_eagle else 0,
+            )
             if host_pages
             else None
         )
@@ -184,8 +187,8 @@ class HybridKVCache(KVCache):
     def host_extend(self, request: Any, match: TreeMatch, max_tokens: int) -> int:
         """Tokens past the device's window-safe hit (`match`, up to `max_tokens`) that the host
         tier holds for the request: what `allocate` takes as `external_tokens`. 0 without a host
-        tier (or with EAGLE/MTP drafting, not covered yet). Never mutates."""
-        if self.host is None or self.use_eagle or not self.enable_caching:
+        tier. Never mutates."""
+        if self.host is None or not self.enable_caching:
             return 0
         positions = max_tokens // self.block_size
         hit = match.safe_blocks

@@ -118,6 +118,7 @@ class HostTier:
         window_blocks: int,
         *,
         dense: bool = False,
+        back_off: int = 0,
     ) -> None:
         if num_pages < 1 or full_pages < 1 or swa_pages < 1:
             raise ValueError(f"host pages ({num_pages}) and pages per position ({full_pages}, {swa_pages}) must be >= 1")
@@ -126,6 +127,7 @@ class HostTier:
         self.full_pages = full_pages
         self.swa_pages = swa_pages
         self.window_blocks = window_blocks
+        self.back_off = back_off
         self.dense = dense
         self.stats = HostStats()
         self._free: deque[int] = deque(range(num_pages))
@@ -285,7 +287,10 @@ class HostTier:
         deepest end L <= `max_blocks` such that every position in `hit`..L has its Full KV on the
         host or is among the `takeover` unreferenced device positions right after the hit, and
         every position of L's window past `hit` has a host SWA copy (those before `hit` are the
-        device hit's own window). Does not change anything."""
+        device hit's own window); with `back_off` (EAGLE/MTP drafting: 1), L is that many
+        positions short of such an end, whose window and `back_off` positions more are on host
+        (anchor windows are that much longer then), as the device's hits stop a position short
+        for the drafter. Does not change anything."""
         path = list(device_path[:max_blocks])
         nodes = self.tree.nodes
         for key in keys[len(path) : max_blocks]:
@@ -294,13 +299,14 @@ class HostTier:
                 break
             path.append(node)
         best = hit
-        window = self.window_blocks
+        window = self.window_blocks + self.back_off
         for end in range(hit + 1, len(path) + 1):
             node = path[end - 1]
             if end > hit + takeover and node.host_full is None:
                 break
-            if all(path[p].host_swa is not None for p in range(max(hit, end - window), end)):
-                best = end
+            stop = end - self.back_off
+            if stop > hit and all(path[p].host_swa is not None for p in range(max(hit, end - window), end)):
+                best = stop
         return HostMatch(path, best)
 
     # ------------------------------------------------------------------ loads

@@ -144,12 +144,6 @@ class _MimoSchedulerMixin:
         if connector is not None:
             connector.bind_kv_cache_manager(self.mimo_manager)
             self.mimo_host_connector = connector
-            if self.mimo_manager.cache.use_eagle:
-                logger.warning(
-                    "vllm-mimo: with EAGLE/MTP drafting the host tier stores evicted anchors but "
-                    "hits are not extended from host yet (the drafter's shifted window is not "
-                    "planned); expect no host hits"
-                )
         if self.enable_kv_cache_events:  # type: ignore[attr-defined]
             logger.warning(
                 "vllm-mimo: KV cache events are enabled, but the hybrid KV manager publishes "
