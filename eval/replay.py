@@ -337,6 +337,24 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             offload.on_new_request(req)
         return req
 
+    def inflight_reservation() -> int:
+        """What vLLM keeps free for in-flight prefills when it admits an asynchronous load
+        (`Scheduler._inflight_prefill_reserved_blocks`): the blocks each still needs for its
+        whole sequence, for running requests still prefilling after this step's chunk and for
+        loaded requests waiting to run."""
+        total = 0
+        for r in [*running, *loading.values(), *(w for w in waiting if w.status == RequestStatus.WAITING_FOR_REMOTE_KVS)]:
+            if r.status == RequestStatus.RUNNING and r.num_computed_tokens + scheduled.get(r.request_id, 0) >= r.num_tokens:
+                continue
+            n = min(r.num_tokens, params.max_model_len)
+            total += manager.coordinator.get_num_blocks_to_allocate(
+                request_id=r.request_id, num_tokens=n, new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
+                num_encoder_tokens=0, total_computed_tokens=r.num_computed_tokens,
+                num_local_computed_tokens=r.num_computed_tokens, num_tokens_main_model=n, apply_admission_cap=True,
+                prefill_end=max(r.num_prompt_tokens, r.num_tokens - 1),
+            )
+        return total
+
     def preempt(victim) -> None:
         preempted_ids.add(victim.request_id)
         call("free", victim)
@@ -422,7 +440,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             new = call(
                 "allocate_slots", req, 0 if external else n, num_new_computed_tokens=hit,
                 new_computed_blocks=blocks, num_external_computed_tokens=external,
-                delay_cache_blocks=external > 0,
+                delay_cache_blocks=external > 0, reserved_blocks=inflight_reservation() if external else 0,
                 full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
             )
             if new is None:

@@ -81,7 +81,7 @@ class _MimoSchedulerMixin:
                 for gid, spec in self._mimo_swa_groups()
             ),
         )
-        log_startup_warnings()
+        log_startup_warnings(int(self.mimo_config.host_tier_gib * GIB) if self.mimo_host_connector is not None else 0)
 
     def _mimo_swa_groups(self) -> list[tuple[int, Any]]:
         """(group id, spec) of the KV cache groups of sliding-window layers."""
