@@ -135,6 +135,12 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         req.num_computed_tokens += n
 
+    @rule()
+    def forward(self) -> None:
+        """A step's scheduling is done: its stores are taken and its forward computes what it
+        cached (`HybridKVCache.take_stores`)."""
+        self.m.cache.take_stores()
+
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 10))
     def preempt(self, index) -> None:

@@ -22,12 +22,13 @@ def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False
 
 
 def _run(manager, request, output: list[int]) -> tuple[int, int]:
-    """Admit (with the host's extension), prefill, decode `output`, finish; returns (device hit,
-    external tokens)."""
+    """Admit (with the host's extension), prefill, decode `output`, finish, one step per
+    allocation (the connector takes each step's stores); returns (device hit, external tokens)."""
     blocks, hit, _ = manager.get_computed_blocks(request)
     external = manager.host_extension(request)
     assert manager.allocate_slots(request, request.num_tokens - hit - external, hit, blocks,
                                   num_external_computed_tokens=external) is not None
+    manager.cache.take_stores()
     plan = manager.cache.take_load(request.request_id)
     if plan is not None:
         manager.check_integrity()  # the plan's nodes are held
@@ -37,6 +38,7 @@ def _run(manager, request, output: list[int]) -> tuple[int, int]:
     for token in output:
         request.append_output_token_ids(token)
         assert manager.allocate_slots(request, 1) is not None
+        manager.cache.take_stores()
         request.num_computed_tokens += 1
     request.status = RequestStatus.FINISHED_STOPPED
     manager.free(request)
@@ -300,3 +302,27 @@ def test_with_mtp_drafting_a_host_hit_stops_a_position_short_as_device_hits_do()
     hit, external = _run(m, turn, output=[1])
     assert external > 0 and hit + external == (first.num_tokens - 1) // BLOCK * BLOCK - BLOCK, (hit, external)
     assert m.cache.host.stats.loaded_swa == m.geometry.window_blocks
+
+
+@pytest.mark.parametrize("forward_ran", [False, True])
+def test_an_anchor_evicted_in_the_step_that_cached_it_is_not_stored(forward_ran):
+    """vLLM caches a step's positions when it schedules them; their KV exists only after that
+    step's forward, while the step's stores run before it. An anchor evicted before then is
+    dropped, not stored (garbage on host would be loaded later as a wrong prefix)."""
+    from vllm_mimo.block_manager.base import EvictionCause
+
+    m = _manager(host_pages=400)
+    req = make_request("s", list(range(100, 100 + 8 * BLOCK)), max_tokens=1)
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, req.num_tokens, hit, blocks) is not None
+    if forward_ran:
+        m.cache.take_stores()  # the step's scheduling is done: its forward computes what it cached
+    req.status = RequestStatus.FINISHED_ABORTED
+    m.free(req)
+    assert m.cache.evict(m.geometry.num_blocks - 1, EvictionCause(1, 1), evict_held=True)
+    m.check_integrity()
+    host = m.cache.host
+    if forward_ran:
+        assert host.num_anchors > 0 and host.stats.uncomputed_stores == 0
+    else:
+        assert host.num_anchors == 0 and host.stats.uncomputed_stores > 0

@@ -125,6 +125,9 @@ class HybridKVCache(KVCache):
         )
         self._loads: dict[str, LoadPlan] = {}
         self._stores: list[tuple[str, Copy]] = []
+        # Nodes cached since the last `take_stores` (at schedule time, as vLLM caches blocks):
+        # their KV is written by the coming forward, so an anchor on one is not stored yet.
+        self._uncomputed: set[int] = set()
         # Evicted anchors are remembered as many as the budget holds: what twice the budget
         # would keep (the size of ARC's ghost lists).
         anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
@@ -220,8 +223,11 @@ class HybridKVCache(KVCache):
         return max(0, positions - have_full) * self._n_full + max(0, swa - have_swa) * self._n_swa
 
     def take_stores(self) -> list[tuple[str, Copy]]:
-        """The copies to host that demotions since the last call need ("full" / "swa")."""
+        """The copies to host that demotions since the last call need ("full" / "swa"). Called
+        once per step, when its scheduling is done (the copies run before its forward): the
+        positions cached since, computed by that forward, may be stored from then on."""
         stores, self._stores = self._stores, []
+        self._uncomputed.clear()
         return stores
 
     # -------------------------------------------------------------- allocation
@@ -444,6 +450,8 @@ class HybridKVCache(KVCache):
             return
         keys = block_hashes[(start + 1) * stride - 1 : end * stride : stride]
         branched, anchored = self.tree.add_positions(state.nodes, keys, state.full, state.swa, start, self._tick)
+        if self.host is not None:
+            self._uncomputed.update(id(node) for node in state.nodes[start:end])
         state.num_cached = end
         decisions = self.placement.on_cached(request, state.nodes, start, end, branched)
         self.anchors.hold_nodes(anchored)
@@ -518,6 +526,7 @@ class HybridKVCache(KVCache):
         if self.host is not None:
             self.host.clear()
             self._stores.clear()
+            self._uncomputed.clear()
         assert not self.tree.nodes, "reset left nodes in the tree"
         self.tree.clear()
         return True
@@ -559,7 +568,9 @@ class HybridKVCache(KVCache):
         # worth a window of host memory (how this was chosen: eval/RESULTS.md, issue 21).
         speculative = anchor.kinds == {AnchorKind.GRID} and anchor.state is AnchorState.DEMOTED_UNSERVED
         self.anchors.evicted(anchor)
-        if self.host is not None and not speculative:
+        if self.host is not None and id(anchor.node) in self._uncomputed:
+            self.host.stats.uncomputed_stores += 1
+        elif self.host is not None and not speculative:
             stored = self.host.stats.stored_anchors
             self._stores.extend(self.host.store(anchor.node, anchor.window, self._tick))
             if AnchorKind.RESUME in anchor.kinds and self.host.stats.stored_anchors > stored:

@@ -66,6 +66,9 @@ class HostStats:
     evicted_anchors: int = 0
     failed_loads: int = 0
     """Loads whose copies failed (`fail_load`): their requests recomputed."""
+    uncomputed_stores: int = 0
+    """Anchors evicted in the step that cached their node, before its forward computed it:
+    dropped, not stored."""
     swapped_out_tokens: int = 0
     """Tokens up to preempted requests' resume anchors demoted to host (preemption as swap)."""
     swapped_in_tokens: int = 0
