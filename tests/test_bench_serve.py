@@ -17,13 +17,13 @@ ROOT = Path(__file__).parents[1]
 @pytest.mark.parametrize(
     "flag,value,allowed",
     [("--kv-gib", "0", "> 0"), ("--clients", "0", ">= 1"), ("--duration", "-1", "> 0"),
-     ("--sessions", "0", ">= 1"), ("--block-size", "24", "a positive multiple of 16")],
+     ("--sessions", "0", ">= 1"), ("--block-size", "24", "a positive multiple of 16"), ("--host-gib", "-1", ">= 0")],
 )
 def test_out_of_range_arguments_name_the_value_and_the_range(flag, value, allowed, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_serve.main(["--workload", "shared-system-prompt", flag, value])
     assert exit_info.value.code == 2
-    assert f"{flag} {float(value) if flag in ('--kv-gib', '--duration') else value} is out of range; allowed: {allowed}" in capsys.readouterr().err
+    assert f"{flag} {float(value) if flag in ('--kv-gib', '--duration', '--host-gib') else value} is out of range; allowed: {allowed}" in capsys.readouterr().err
 
 
 @pytest.mark.engine
@@ -38,7 +38,7 @@ def test_a_short_run_prints_the_table_and_writes_the_json_with_every_answer_the_
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "prompt tokens computed" in proc.stdout and "same answer with the plugin on and off" in proc.stdout
+    assert "prompt tokens computed" in proc.stdout and "same answer, plugin off and plugin on" in proc.stdout
     data = json.loads(out.read_text())
     for side in ("on", "off"):
         for key in ("prompt_tokens_computed", "hit_tokens", "pseudo_hit_tokens", "ttft_p50_s", "ttft_p90_s",

@@ -137,7 +137,8 @@ class MimoConfig:
     host_tier_gib: float = field(
         default=0.0,
         metadata=_key(
-            "GiB of host memory for the host KV tier (L2): device evictions of SWA anchors go "
+            "GiB of host memory for the host KV tier (L2), per worker (tensor-parallel rank): "
+            "device evictions of SWA anchors go "
             "there (their Full KV and only the anchor's SWA window) and later hits load them "
             "back instead of recomputing. Installs the plugin's KV connector "
             "(MimoHostTierConnector); refused with another --kv-transfer-config or more than "
