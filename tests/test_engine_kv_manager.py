@@ -164,3 +164,22 @@ def test_groups_with_different_block_sizes_run_on_the_manager_with_the_same_toke
     assert on.mimo["window_safe_hit_tokens"] > 0 and on.mimo["pools"]["full"]["evicted_blocks"] > 0
     assert on.preemptions > 0
     assert [[o["ids"] for o in turn] for turn in on.turns] == [[o["ids"] for o in turn] for turn in off.turns]
+
+
+def test_a_snapshot_older_than_the_front_end_is_ignored(tmp_path, monkeypatch):
+    """A killed or crashed engine leaves its snapshot behind; a later process with the same pid
+    must not read it as its own (the plugin-off run above once did)."""
+    import json
+    import os
+
+    from vllm_mimo import metrics
+
+    monkeypatch.setattr(metrics.tempfile, "gettempdir", lambda: str(tmp_path))
+    path = metrics.snapshot_path(0)
+    with open(path, "w") as f:
+        json.dump({"model_name": "m", "engine": 0}, f)
+    assert metrics.read_snapshots() == [{"model_name": "m", "engine": 0}]
+    os.utime(path, (0, 0))  # written before this process started
+    assert metrics.read_snapshots() == []
+    with pytest.raises(RuntimeError, match="no vllm-mimo KV manager runs under this process"):
+        metrics.kv_manager_metrics()

@@ -37,11 +37,21 @@ def snapshot_path(engine_index: int) -> str:
 
 
 def read_snapshots() -> list[dict]:
-    """Snapshots of the engines this process's front end started, by engine index."""
+    """Snapshots of the engines this process's front end started, by engine index. A file older
+    than the front end is a dead process's whose pid was reused (an engine that crashed or was
+    killed leaves its snapshot behind): ignored."""
+    import psutil
+
     pattern = snapshot_path(0).replace("engine0.json", "engine*.json")
+    try:
+        born = psutil.Process(frontend_pid()).create_time()
+    except psutil.Error:
+        return []
     out = []
     for path in sorted(glob.glob(pattern)):
         try:
+            if os.path.getmtime(path) < born:
+                continue
             with open(path) as f:
                 out.append(json.load(f))
         except (OSError, json.JSONDecodeError):
