@@ -291,6 +291,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     # upstream-offload: requests waiting for their load from host; those the connector has seen
     # scheduled; this step's new block ids per running request; this step's preempted ones.
     loading: dict[str, Request] = {}
+    stalled = 0  # steps in a row that scheduled nothing with no transfer in flight
     known: set[str] = set()
     step_ids: dict[str, tuple] = {}
     preempted_ids: set[str] = set()
@@ -497,9 +498,11 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         transfers = bool(loading) or (offload is not None and (offload.busy or bool(done)))
         for rid in host_loaded:
             waiting.appendleft(loading.pop(rid))
-        if not scheduled and not transfers and offload is not None:
+        stalled = 0 if scheduled or transfers else stalled + 1
+        if stalled and stalled <= len(waiting) and (offload is not None or host is not None):
             # Loaded requests hold their blocks; one behind a request that cannot fit, with
-            # nothing running, would wait forever: it goes first.
+            # nothing running, would wait forever: it goes first (a stall that outlasts the
+            # queue is a deadlock, reported below).
             ready = next((r for r in waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS), None)
             if ready is not None:
                 waiting.remove(ready)
