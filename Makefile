@@ -37,8 +37,11 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m eval.bench_serve --workload shared-system-prompt --duration 90
 
+# Two test processes, a whole file each (its engines are shared per module): engine starts are
+# mostly one core's work, and this machine has two.
+TEST_PROCS ?= 2
 test: setup
-	$(PY) -m pytest tests --durations=15
+	$(PY) -m pytest tests -n $(TEST_PROCS) --dist loadfile --durations=15
 
 check: setup
 	$(PY) -m pytest -m "not engine" tests

@@ -15,6 +15,9 @@ from vllm_mimo.testing.tiny_model import make_tiny_model
 
 RUNNER = Path(__file__).with_name("llm_runner.py")
 # Small, fixed KV budget and eager mode: engine start takes ~25 s on 2 cores instead of ~90 s.
+# In one process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) unless a test asks for vLLM's default
+# three (front end, engine core, worker): the engine core and worker each import vLLM again, which
+# took a run from 27 s to 59 s here.
 BASE_LLM_KWARGS = {
     "enforce_eager": True,
     "kv_cache_memory_bytes": 256 << 20,
@@ -39,7 +42,7 @@ class EngineRun:
     preemptions: float | None
 
     def ids(self) -> list[list[list[int]]]:
-        return [[o["ids"] for o in batch] for batch in self.batches]
+        return [[o["ids"] for o in batch] for batch in self.batches if isinstance(batch, list)]
 
     def log_lines(self, needle: str) -> list[str]:
         return [line for line in self.log.splitlines() if needle in line]
@@ -56,11 +59,14 @@ def run_engine(
     record_block_ids: bool = False,
     expect_failure: bool = False,
     patch: str | None = None,
+    multiprocess: bool = False,
 ) -> EngineRun | str:
-    """Run `LLM(model)` in a fresh process (see tests/llm_runner.py for the job's fields).
+    """Run `LLM(model)` in a fresh process (see tests/llm_runner.py for the job's fields), its
+    engine core and worker in that process too unless `multiprocess` (vLLM's default layout).
 
     With `expect_failure`, the engine must fail to start; returns its log.
     """
+    assert not (patch and multiprocess), "a patch reaches the engine only in one process"
     job = {
         "model": str(model),
         "llm_kwargs": {**BASE_LLM_KWARGS, **(llm_kwargs or {})},
@@ -77,7 +83,12 @@ def run_engine(
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})},
+        env={
+            **os.environ,
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+            **(env or {}),
+        },
     )
     log = proc.stdout + proc.stderr
     result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

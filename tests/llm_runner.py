@@ -4,12 +4,14 @@ Reads a JSON job on stdin:
   model, llm_kwargs, max_tokens
   batches:  [[prompt, ...], ...]  one `generate` call per batch, in order, so a later batch can
             hit the prefix cache left by an earlier one; a prompt is a list of token ids or
-            {"ids": [...], "extra_args": {...}}
+            {"ids": [...], "extra_args": {...}}; a batch {"expect_error": [prompt, ...]} is one
+            that `generate` must refuse: its result is {"error": the message, or None}
   sessions: {"system": [ids], "turns": [[user message ids, ...], ...]}  (optional) multi-turn
             chats: turn k of user u is the previous turn's prompt and answer plus the message
   record_block_ids: true to report every block id the worker's KV groups received
   patch:    "module:function" called before the engine starts (a negative control's change to
-            the plugin; with VLLM_ENABLE_V1_MULTIPROCESSING=0 it reaches the engine core)
+            the plugin; it reaches the engine core when that runs in this process,
+            VLLM_ENABLE_V1_MULTIPROCESSING=0, as tests.conftest.run_engine starts it)
 Prints one line `RESULT {...}`: greedy token ids and cached-token counts per prompt, a report
 from every worker process, the plugin's KV manager metrics and vLLM's preemption count.
 """
@@ -90,7 +92,17 @@ def main() -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [{"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outputs]
 
-    batches = [generate(batch) for batch in job.get("batches", [])]
+    def refused(specs):
+        try:
+            generate(specs)
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return {"error": f"{type(e).__name__}: {e}"}
+        return {"error": None}
+
+    batches = [
+        refused(batch["expect_error"]) if isinstance(batch, dict) else generate(batch)
+        for batch in job.get("batches", [])
+    ]
     turns = []
     if "sessions" in job:
         history = [list(job["sessions"]["system"]) for _ in job["sessions"]["turns"][0]]

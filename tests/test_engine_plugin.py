@@ -16,12 +16,15 @@ OFF = {"VLLM_MIMO_ENABLE": "0"}
 
 @pytest.fixture(scope="module")
 def runs(tiny_models):
-    """Per layout: the same prompts through vLLM with the plugin on and off."""
+    """Per layout: the same prompts through vLLM with the plugin on and off (the tiny MiMo with
+    the plugin on in vLLM's default processes: front end, engine core, worker)."""
     out = {}
     for layout in ("mimo", "gemma3", "llama"):
         batches = exactness_batches(tiny_models[layout])
         out[layout] = {
-            "on": run_engine(tiny_models[layout], batches, llm_kwargs={"dtype": "float32"}),
+            "on": run_engine(
+                tiny_models[layout], batches, llm_kwargs={"dtype": "float32"}, multiprocess=layout == "mimo"
+            ),
             "off": run_engine(tiny_models[layout], batches, env=OFF, llm_kwargs={"dtype": "float32"}),
         }
     return out
@@ -46,7 +49,7 @@ def test_repeated_prompt_hits_the_prefix_cache(runs, layout):
 def test_one_startup_line_from_the_engine_core_process(runs, layout):
     lines = runs[layout]["on"].log_lines(STARTUP_LINE)
     assert len(lines) == 1, lines
-    assert lines[0].startswith("(EngineCore"), lines[0]
+    assert lines[0].startswith("(EngineCore" if layout == "mimo" else "(MainProcess"), lines[0]
     assert "1 full + 6 SWA layers, window 128" in lines[0] if layout == "mimo" else (
         "1 full + 5 SWA layers, window 128" in lines[0]
     )
@@ -54,7 +57,7 @@ def test_one_startup_line_from_the_engine_core_process(runs, layout):
 
 
 @pytest.mark.parametrize("layout", ["mimo", "gemma3", "llama"])
-def test_registered_in_worker_processes(runs, layout):
+def test_registered_in_worker_processes(runs, layout):  # a process of its own on mimo
     on, off = runs[layout]["on"], runs[layout]["off"]
     assert on.workers and all(w["registered"] for w in on.workers)
     assert not any(w["registered"] for w in off.workers)

@@ -10,7 +10,6 @@ pytestmark = pytest.mark.engine
 
 OFF = {"VLLM_MIMO_ENABLE": "0"}
 HOST = {"additional_config": {"mimo": {"host_tier_gib": 0.05}}}
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # a patch reaches the engine and its worker
 
 
 def corrupt_host_copies() -> None:
@@ -52,8 +51,8 @@ def runs(six_user_runs):
     return {
         "off": six_user_runs("off", env=OFF),
         "host": six_user_runs("host", llm_kwargs=HOST),
-        "corrupt": six_user_runs("host-corrupt", env=IN_PROCESS, llm_kwargs=HOST, patch="tests.test_host_tier_engine:corrupt_host_copies"),
-        "lost": six_user_runs("host-lost", env=IN_PROCESS, llm_kwargs=HOST, patch="tests.test_host_tier_engine:lose_host_copies"),
+        "corrupt": six_user_runs("host-corrupt", llm_kwargs=HOST, patch="tests.test_host_tier_engine:corrupt_host_copies"),
+        "lost": six_user_runs("host-lost", llm_kwargs=HOST, patch="tests.test_host_tier_engine:lose_host_copies"),
     }
 
 

@@ -385,7 +385,6 @@ def test_a_manager_keeping_one_position_fewer_changes_tokens(tiny_models, engine
     short = run_engine(
         tiny_models["mimo"],
         _batches(ids),
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         llm_kwargs={**ENGINE, **MTP},
         patch="tests.test_window_local:keep_one_position_fewer",
     )
