@@ -326,3 +326,37 @@ def test_an_anchor_evicted_in_the_step_that_cached_it_is_not_stored(forward_ran)
         assert host.num_anchors > 0 and host.stats.uncomputed_stores == 0
     else:
         assert host.num_anchors == 0 and host.stats.uncomputed_stores > 0
+
+
+@pytest.mark.parametrize(("window_local", "num_blocks"), [(False, 90), (True, 55)], ids=["stock", "window-local"])
+def test_a_load_gives_swa_blocks_only_to_its_window_and_no_anchor_lands_where_none_was_written(window_local, num_blocks):
+    """Positions loaded from host are not computed, and the load brings the SWA KV of their last
+    window only: only that window gets SWA blocks, and no anchor is placed inside the loaded
+    range, where its window's SWA blocks would hold whatever they last held. (Before: every
+    loaded position got SWA blocks with stock attention, every anchor window with window-local,
+    and grid anchors placed there gave a later request that branched off a window-safe hit on
+    SWA KV nobody wrote.)"""
+    m = HybridKVCacheManager(
+        kv_config(num_blocks), 4096, BLOCK, BLOCK, max_num_running=4,
+        mimo_config=MimoConfig(grid_anchor_tokens=4 * BLOCK), host_pages=800, window_local=window_local,
+    )
+    prompt = list(range(100, 100 + 22 * BLOCK))
+    first = make_request("s", prompt, max_tokens=4)
+    _run(m, first, output=[1, 2, 3, 4])
+    _sessions(m, 40, asked=2)  # the device cannot keep the first session
+    turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
+    blocks, hit, _ = m.get_computed_blocks(turn)
+    external = m.host_extension(turn)
+    assert hit == 0 and external == len(prompt), (hit, external)
+    assert m.allocate_slots(turn, 0, hit, blocks, num_external_computed_tokens=external, delay_cache_blocks=True)
+    plan = m.cache.take_load("s2")
+    loaded = {i for copy in plan.swa for i in copy.device}
+    assert len(plan.swa) == m.geometry.window_blocks
+    swa_groups = m.get_block_ids("s2")[1:]
+    assert {i for group in swa_groups for i in group if i} == loaded  # 0: vLLM's null block
+    m.cache.finish_load(plan)
+    m.cache_blocks(turn, hit + external)
+    m.check_integrity()
+    # Branching off at a grid point inside the loaded range finds no window on the device there.
+    branch = make_request("b", prompt[: 8 * BLOCK] + [7] * 20)
+    assert m.get_computed_blocks(branch)[1] == 0

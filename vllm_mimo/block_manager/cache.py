@@ -18,8 +18,11 @@ else eviction (`evict`). Anchors also have a budget (`anchor_budget_fraction`); 
 are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
 instead of dropped (but a grid anchor given up on before it served: `_evict_anchor`), and a
 request's hit extends into what the host holds (`host_extend`): its
-positions past the device's hit are allocated like new tokens and loaded from host
-(`take_load`), the way vLLM treats a KV connector's external computed tokens.
+positions past the device's hit get Full blocks like new tokens, SWA blocks only for the window
+before the load's end, and are loaded from host (`take_load`), the way vLLM treats a KV
+connector's external computed tokens. Loaded positions are not computed, so the SWA KV of the
+others is on neither tier: an anchor is placed only where its whole window's SWA KV is on the
+device (`_window_on_device`).
 """
 
 from __future__ import annotations
@@ -291,27 +294,24 @@ class HybridKVCache(KVCache):
 
         end = cdiv(num_slots, bs)
         full_positions, swa_positions = max(0, end - have_full), max(0, end - have_swa)
+        # A host extension's positions are loaded, not computed (see the module docstring).
+        computed_from, loaded = have_swa, range(0)
+        if host_path is not None:
+            computed_from, loaded = load_end, range(max(hit, load_end - window), load_end)
         # Window-local: SWA blocks only from `tail` on and for `windows` (see the module docstring).
-        tail, windows = have_swa, set()
-        if self.window_local and swa_positions:
-            tail = max(have_swa, min(end, self.window_start(total_computed + num_new_tokens)))
-            if tail > have_swa:
+        tail, windows = computed_from, set()
+        if self.window_local and end > computed_from:
+            tail = max(computed_from, min(end, self.window_start(total_computed + num_new_tokens)))
+            if tail > computed_from:
                 windows = self.anchor_window_positions(
                     request,
                     match.path if state is None else state.nodes,
                     hit if state is None else state.num_cached,
                     len(match.path) - 1 if state is None else -1,
-                    have_swa,
+                    computed_from,
                     tail,
                 )
-        # A host extension's last window is read by the request's first chunk: loaded, so kept.
-        loaded_window = set(range(max(hit, load_end - window), load_end)) if host_path is not None else set()
-        if tail > have_swa:
-            loaded_window -= windows
-            loaded_window = {p for p in loaded_window if p < tail}
-        else:
-            loaded_window = set()
-        kept_positions = max(0, end - tail) + len(windows) + len(loaded_window)
+        kept_positions = len(loaded) + len(windows) + max(0, end - tail)
         need_full, need_swa = full_positions * n_full, kept_positions * n_swa
         need = need_full + need_swa + headroom
         if whole_request:
@@ -358,7 +358,7 @@ class HybridKVCache(KVCache):
             raise AssertionError("allocation plan and pools disagree")
         new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
         full = [tuple(new_full[p * n_full : (p + 1) * n_full]) for p in range(full_positions)]
-        kept = range(have_swa, end) if tail == have_swa else sorted(windows | loaded_window) + list(range(tail, end))
+        kept = [*loaded, *sorted(windows), *range(tail, end)]
         swa: list[Blocks | None] = [None] * swa_positions
         for i, pos in enumerate(kept):
             swa[pos - have_swa] = tuple(new_swa[i * n_swa : (i + 1) * n_swa])
@@ -366,6 +366,10 @@ class HybridKVCache(KVCache):
         state.swa.extend(swa)
         if host_path is not None:
             self._plan_load(request, host_path, hit, have_full, load_end, full, swa, held)
+            # The request reads the window before the load's end next: the hit's older SWA goes.
+            if load_end - window > state.swa_start:
+                self._release_swa(state, load_end - window)
+                state.swa_start = load_end - window
         state.step_blocks = kept_positions
         state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
 
@@ -455,9 +459,20 @@ class HybridKVCache(KVCache):
         state.num_cached = end
         decisions = self.placement.on_cached(request, state.nodes, start, end, branched)
         self.anchors.hold_nodes(anchored)
-        self.anchors.apply(decisions)
+        self.anchors.apply(d for d in decisions if d.demote or self._window_on_device(d.node))
         for cached in self._observers.cached:
             cached(request, state.nodes[start:end])
+
+    def _window_on_device(self, node: Node) -> bool:
+        """Whether the SWA KV of the anchor window ending at `node` is on the device (see the
+        module docstring)."""
+        for _ in range(self.anchor_window_blocks):
+            if node.depth < 0:
+                return True
+            if node.swa_blocks is None:
+                return False
+            node = node.parent  # type: ignore[assignment]
+        return True
 
     # ------------------------------------------------------------------ release
 
