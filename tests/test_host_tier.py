@@ -181,22 +181,29 @@ def test_reset_drops_the_host_copies_too():
     m.check_integrity()
 
 
-def test_grid_anchors_given_up_on_before_they_served_are_dropped_the_rest_stored():
+def test_grid_points_and_prompt_ends_given_up_on_before_they_served_are_dropped_the_rest_stored():
+    """A grid point or a prompt's end (passed by its own output) demoted before it served is
+    not worth a window of host memory; everything else the device evicts goes to host, output
+    ends included (a next turn continues from one)."""
     from vllm_mimo.block_manager.anchors import AnchorKind, AnchorState
     from vllm_mimo.block_manager.base import CacheObserver
 
     m = _manager(host_pages=4000, grid=2 * BLOCK)
     evicted = []
+    given_up_kinds = {AnchorKind.GRID, AnchorKind.PROMPT_END}
 
     class Evictions(CacheObserver):
         def anchor_evicted(self, anchor, cause) -> None:
-            evicted.append((anchor.kinds == {AnchorKind.GRID} and anchor.state is AnchorState.DEMOTED_UNSERVED, anchor.node))
+            given_up = anchor.state is AnchorState.DEMOTED_UNSERVED and anchor.kinds <= given_up_kinds
+            evicted.append((given_up, frozenset(anchor.kinds), anchor.node))
 
     m.cache.subscribe(Evictions())
     _sessions(m, 20)
-    dropped = sum(1 for speculative, _ in evicted if speculative)
-    stored_nodes = {id(node) for speculative, node in evicted if not speculative}
-    assert dropped and stored_nodes
+    dropped = {kinds for given_up, kinds, _ in evicted if given_up}
+    stored = {kinds for given_up, kinds, _ in evicted if not given_up}
+    assert {AnchorKind.GRID} in dropped and {AnchorKind.PROMPT_END} in dropped, dropped
+    assert any(AnchorKind.OUTPUT_END in kinds for kinds in stored), stored
+    stored_nodes = {id(node) for given_up, _, node in evicted if not given_up}
     assert m.cache.host.stats.stored_anchors == len(stored_nodes)  # one store per node
 
 

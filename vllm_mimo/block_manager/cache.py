@@ -16,7 +16,7 @@ a referenced descendant and Full eviction can always go leaf first.
 Where a new block comes from: the pool's own free list, else the other pool's (see `pools.py`),
 else eviction (`evict`). Anchors also have a budget (`anchor_budget_fraction`); over it, anchors
 are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
-instead of dropped (but a grid anchor given up on before it served: `_evict_anchor`), and a
+instead of dropped (but a grid point or prompt end given up on before it served: `_evict_anchor`), and a
 request's hit extends into what the host holds (`host_extend`): its
 positions past the device's hit get Full blocks like new tokens, SWA blocks only for the window
 before the load's end, and are loaded from host (`take_load`), the way vLLM treats a KV
@@ -51,6 +51,8 @@ from vllm_mimo.config import MimoConfig, MimoConfigError
 
 
 _NO_MATCH = TreeMatch([], 0)
+_NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
+"""Anchor kinds the host tier does not take from the device once demoted unserved (`_evict_anchor`)."""
 
 
 def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_blocks: int) -> int:
@@ -578,10 +580,12 @@ class HybridKVCache(KVCache):
     def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
         for evicted in self._observers.anchor_evicted:
             evicted(anchor, cause)
-        # The host takes every evicted anchor but a grid anchor demoted before it served: grid
-        # points are placed everywhere on speculation, and one the policy gave up on is not
-        # worth a window of host memory (how this was chosen: eval/RESULTS.md, issue 21).
-        speculative = anchor.kinds == {AnchorKind.GRID} and anchor.state is AnchorState.DEMOTED_UNSERVED
+        # The host takes every evicted anchor but a grid point or a prompt's end demoted before
+        # it served: grid points are placed everywhere on speculation, a prompt's end is passed
+        # by its own output and then serves only a retry of that prompt, and one the policy gave
+        # up on is not worth a window of host memory (how this was chosen: eval/RESULTS.md,
+        # issue 21). Output ends are kept: a next turn that comes late continues from one.
+        speculative = anchor.state is AnchorState.DEMOTED_UNSERVED and anchor.kinds <= _NOT_STORED_WHEN_GIVEN_UP
         self.anchors.evicted(anchor)
         if self.host is not None and id(anchor.node) in self._uncomputed:
             self.host.stats.uncomputed_stores += 1
