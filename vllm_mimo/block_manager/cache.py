@@ -16,8 +16,8 @@ a referenced descendant and Full eviction can always go leaf first.
 Where a new block comes from: the pool's own free list, else the other pool's (see `pools.py`),
 else eviction (`evict`). Anchors also have a budget (`anchor_budget_fraction`); over it, anchors
 are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
-instead of dropped (but a grid point or prompt end given up on before it served: `_evict_anchor`), and a
-request's hit extends into what the host holds (`host_extend`): its
+instead of dropped (but a grid point or prompt end given up on before it served:
+`_evict_anchor`), and a request's hit extends into what the host holds (`host_extend`): its
 positions past the device's hit get Full blocks like new tokens, SWA blocks only for the window
 before the load's end, and are loaded from host (`take_load`), the way vLLM treats a KV
 connector's external computed tokens. Loaded positions are not computed, so the SWA KV of the
@@ -585,11 +585,11 @@ class HybridKVCache(KVCache):
         # by its own output and then serves only a retry of that prompt, and one the policy gave
         # up on is not worth a window of host memory (how this was chosen: eval/RESULTS.md,
         # issue 21). Output ends are kept: a next turn that comes late continues from one.
-        speculative = anchor.state is AnchorState.DEMOTED_UNSERVED and anchor.kinds <= _NOT_STORED_WHEN_GIVEN_UP
+        given_up = anchor.state is AnchorState.DEMOTED_UNSERVED and anchor.kinds <= _NOT_STORED_WHEN_GIVEN_UP
         self.anchors.evicted(anchor)
         if self.host is not None and id(anchor.node) in self._uncomputed:
             self.host.stats.uncomputed_stores += 1
-        elif self.host is not None and not speculative:
+        elif self.host is not None and not given_up:
             stored = self.host.stats.stored_anchors
             self._stores.extend(self.host.store(anchor.node, anchor.window, self._tick))
             if AnchorKind.RESUME in anchor.kinds and self.host.stats.stored_anchors > stored:
