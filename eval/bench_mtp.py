@@ -15,6 +15,11 @@ position n - P where they start: 0-128, 128-256, 256+. Drafters:
 - `distinct k=3 warm`: ours, MTP layer m for draft step m, every layer run over the prompt;
 - `distinct k=3 cold`: the same drafter with no KV over the prompt (an exact mask: a switch of
   this benchmark, not of the plugin);
+- `distinct k=3 cold, zero KV`: the same, its KV over the prompt zeros instead of masked (what a
+  drafter not run during prefill reads from a zeroed cache; zero keys still take softmax
+  weight): what the engine's cold runs compute (`MimoMTPProposer.warm_prompt`);
+- `distinct k=3 cold, stale KV`: the same, its KV over the prompt another text's (the drafter KV a
+  block reused from another request holds: the same held-out file at the offset of seed + 1);
 - `distinct k=3 blind`: the same drafter with no KV but its own slot, at every step: what the
   MTP layers make of the target's hidden state alone. Warm over blind is what the drafter's own
   KV is worth; cold rebuilds it from the output tokens as decoding goes on.
@@ -50,10 +55,13 @@ DRAFTERS = (
     ("reuse k=3", "reuse", 3, "warm"),
     ("distinct k=3 warm", "distinct", 3, "warm"),
     ("distinct k=3 cold", "distinct", 3, "cold"),
+    ("distinct k=3 cold, zero KV", "distinct", 3, "cold-zero"),
+    ("distinct k=3 cold, stale KV", "distinct", 3, "cold-stale"),
     ("distinct k=3 blind", "distinct", 3, "blind"),
 )
 """(name, `MtpOracle` method, k, drafter KV: "warm" over everything, "cold" from the prompt's last
-slot on, "blind" only the step's own slot)."""
+slot on, "cold-zero" zeros below it, "cold-stale" another text's KV below it, "blind" only the
+step's own slot)."""
 
 
 @dataclass
@@ -117,15 +125,17 @@ matters, the drafter's own window still reaches into the prompt."""
 
 
 def run_sequence(oracle, prompt: int, continuation: int, method: str, k: int, context: str, stats: dict,
-                 agreement: Agreement | None, fine: dict | None = None) -> None:
+                 agreement: Agreement | None, fine: dict | None = None, stale=None) -> None:
     """Teacher-forced steps over one sequence; adds to `stats` (bucket -> BucketStats) and to
-    `fine` (FINE-token slice of the first bucket -> BucketStats)."""
+    `fine` (FINE-token slice of the first bucket -> BucketStats). `stale`: the oracle of the text
+    whose drafter KV a "cold-stale" drafter reads below the prompt's last slot."""
     x, w = oracle.x, oracle.window
     draft = getattr(oracle, method)
     n = prompt
     while n - prompt < continuation:
-        floor = {"warm": 0, "cold": prompt - 1, "blind": n - 1}[context]
-        drafts = draft(n, k, floor)
+        floor = {"warm": 0, "blind": n - 1}.get(context, prompt - 1)
+        below = {"cold-zero": "zeros", "cold-stale": stale}.get(context, "mask")
+        drafts = draft(n, k, floor, below) if below != "mask" else draft(n, k, floor)
         accepted = 0
         while accepted < k and drafts[accepted] == int(x[n + accepted + 1]):
             accepted += 1
@@ -153,15 +163,16 @@ def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences:
     results = {}
     for prompt in prompts:
         seqs = heldout_sequences(folder, prompt + continuation + k_max + 1, sequences, seed)
+        donors = heldout_sequences(folder, prompt + continuation + k_max + 1, sequences, seed + 1)
         stats: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in DRAFTERS}
         fine: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in DRAFTERS}
         agreement = Agreement([0] * k_max, [0] * k_max, [0] * k_max)
         t0 = time.time()
         for i, seq in enumerate(seqs):
-            oracle = MtpOracle(model, seq)
+            oracle, donor = MtpOracle(model, seq), MtpOracle(model, donors[i])
             for name, method, k, context in DRAFTERS:
                 check = agreement if (method == "distinct" and context == "warm") else None
-                run_sequence(oracle, prompt, continuation, method, k, context, stats[name], check, fine[name])
+                run_sequence(oracle, prompt, continuation, method, k, context, stats[name], check, fine[name], donor)
             if not quiet:
                 print(f"  prompt {prompt}: sequence {i + 1}/{len(seqs)} ({time.time() - t0:.0f} s)", file=sys.stderr)
         results[str(prompt)] = {
@@ -174,11 +185,12 @@ def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences:
 
 
 def ratios(drafters: dict) -> dict:
-    """Per bucket: ours warm / reuse k=3, warm / cold and warm / blind, on accepted tokens per
-    target step."""
+    """Per bucket: ours warm / reuse k=3, warm / cold (masked, zero and stale KV) and warm /
+    blind, on accepted tokens per target step."""
     out = {}
     warm, cold, reuse = drafters["distinct k=3 warm"], drafters["distinct k=3 cold"], drafters["reuse k=3"]
-    blind = drafters["distinct k=3 blind"]
+    blind, zero = drafters["distinct k=3 blind"], drafters["distinct k=3 cold, zero KV"]
+    stale = drafters["distinct k=3 cold, stale KV"]
     for b in warm:
         def per_step(d: dict) -> float:
             return d[b]["accepted_per_step"]
@@ -186,6 +198,8 @@ def ratios(drafters: dict) -> dict:
         out[b] = {
             "warm_over_reuse_k3": per_step(warm) / per_step(reuse) if per_step(reuse) else None,
             "warm_over_cold": per_step(warm) / per_step(cold) if per_step(cold) else None,
+            "warm_over_cold_zero_kv": per_step(warm) / per_step(zero) if per_step(zero) else None,
+            "warm_over_cold_stale_kv": per_step(warm) / per_step(stale) if per_step(stale) else None,
             "warm_over_blind": per_step(warm) / per_step(blind) if per_step(blind) else None,
         }
     return out
@@ -195,16 +209,18 @@ def print_tables(results: dict, sequences: int, continuation: int) -> None:
     for prompt, r in results.items():
         buckets = list(r["drafters"]["distinct k=3 warm"])
         print(f"\nOracle, prompt {prompt} tokens, {sequences} held-out sequences, {continuation} continuation tokens: accepted drafts per target step (acceptance by draft position)")
-        print(f"{'drafter':<20}" + "".join(f"{b:>28}" for b in buckets))
+        print(f"{'drafter':<28}" + "".join(f"{b:>28}" for b in buckets))
         for name, by in r["drafters"].items():
             cells = []
             for b in buckets:
                 s = by[b]
                 pos = "/".join(f"{a:.2f}" for a in s["acceptance_by_position"])
                 cells.append(f"{s['accepted_per_step']:.3f} ({pos})")
-            print(f"{name:<20}" + "".join(f"{c:>28}" for c in cells))
-        for key, label in (("warm_over_reuse_k3", "ours warm / reuse k=3"), ("warm_over_cold", "ours warm / cold"), ("warm_over_blind", "ours warm / blind")):
-            print(f"{label:<20}" + "".join(f"{r['ratios'][b][key]:>27.3f}x" for b in buckets))
+            print(f"{name:<28}" + "".join(f"{c:>28}" for c in cells))
+        for key, label in (("warm_over_reuse_k3", "ours warm / reuse k=3"), ("warm_over_cold", "ours warm / cold"),
+                           ("warm_over_cold_zero_kv", "ours warm / cold, zero KV"),
+                           ("warm_over_cold_stale_kv", "ours warm / cold, stale KV"), ("warm_over_blind", "ours warm / blind")):
+            print(f"{label:<28}" + "".join(f"{r['ratios'][b][key]:>27.3f}x" for b in buckets))
         warm, cold = r["fine"]["distinct k=3 warm"], r["fine"]["distinct k=3 cold"]
         print(
             f"ours warm / cold by {FINE} output tokens in the first bucket: "
@@ -265,13 +281,15 @@ def probe_target_probabilities(stats: dict) -> None:
 def engine_job(job: dict) -> dict:
     """One engine (in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM starts), its
     prompts one at a time, under each of `job["temperatures"]`: output ids, drafts per step,
-    vLLM's spec-decode counters, the plugin's acceptance by bucket and the rejection-sampler probe."""
+    vLLM's spec-decode counters, the plugin's acceptance by bucket and the rejection-sampler probe.
+    `job["cold"]`: the plugin's drafter not run over the prompt (`MimoMTPProposer.warm_prompt`)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.spec_decode.eagle import EagleProposer
 
     from vllm_mimo.spec_decode.proposer import MimoMTPProposer
 
+    MimoMTPProposer.warm_prompt = not job.get("cold", False)
     drafts: list = []
     for cls in (EagleProposer, MimoMTPProposer):
         record_drafts(cls, drafts)
@@ -287,6 +305,8 @@ def engine_job(job: dict) -> dict:
         max_num_batched_tokens=job.get("chunk", 2048),
         seed=0,
         disable_log_stats=False,
+        # a cold run's prompts must not hit the cache (the second temperature repeats them)
+        enable_prefix_caching=not job.get("cold", False),
         speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None,
     )
 
@@ -329,13 +349,15 @@ def run_engine_job(job: dict, env: dict[str, str]) -> dict:
 
 
 ENGINES = (
-    ("vllm k=1", 1, False),
-    ("vllm k=2", 2, False),
-    ("vllm k=3", 3, False),
-    ("ours k=3", 3, True),
+    ("vllm k=1", 1, False, False),
+    ("vllm k=2", 2, False, False),
+    ("vllm k=3", 3, False, False),
+    ("ours k=3", 3, True, False),
+    ("ours k=3 cold", 3, True, True),
 )
-"""(name, num_speculative_tokens, mtp_all_layers): vLLM's drafter is the plugin with
-`mtp_all_layers` false (the KV manager does not change drafts)."""
+"""(name, num_speculative_tokens, mtp_all_layers, cold): vLLM's drafter is the plugin with
+`mtp_all_layers` false (the KV manager does not change drafts); cold: the benchmark switch
+`MimoMTPProposer.warm_prompt` off, compared with the oracle's `distinct k=3 cold, zero KV`."""
 
 
 def realized_steps(prompt_len: int, run: dict) -> list[tuple[int, list[int], int]]:
@@ -362,10 +384,10 @@ def vllm_bench(folder: Path, prompts: list[int], continuation: int, sequences: i
     by_len = {p: [s[:p].tolist() for s in heldout_sequences(folder, p + continuation + 4, sequences, seed)] for p in prompts}
     all_prompts = [ids for p in prompts for ids in by_len[p]]
     out: dict = {}
-    for name, k, all_layers in ENGINES:
+    for name, k, all_layers, cold in ENGINES:
         t0 = time.time()
         job = {"model": str(folder), "k": k, "prompts": all_prompts, "max_tokens": continuation,
-               "temperatures": temperatures, "max_model_len": max(prompts) + continuation + 64}
+               "temperatures": temperatures, "max_model_len": max(prompts) + continuation + 64, "cold": cold}
         result = run_engine_job(job, {"VLLM_MIMO_MTP_ALL_LAYERS": "1" if all_layers else "0"})
         method = "distinct" if all_layers else "reuse"
         for res in result["results"]:
@@ -382,7 +404,10 @@ def vllm_bench(folder: Path, prompts: list[int], continuation: int, sequences: i
                     for b, drafts, accepted in realized_steps(p, run):
                         stats.setdefault(bucket_of(b - p), BucketStats()).add(k, accepted)
                         total += 1
-                        same += getattr(oracle, method)(b, k) == drafts
+                        if cold:
+                            same += oracle.distinct(b, k, p - 1, below="zeros") == drafts
+                        else:
+                            same += getattr(oracle, method)(b, k) == drafts
                 key = f"{p}/T={res['temperature']:g}"
                 out.setdefault(key, {})[name] = {
                     "buckets": {b: s.summary() for b, s in sorted(stats.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))},

@@ -179,7 +179,9 @@ class Attention(nn.Module):
         self.rotary = Rotary(head_dim, partial_rotary_factor, rope_theta)
         self.fast = False
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, zero_kv: int = 0) -> torch.Tensor:
+        """`zero_kv`: the first that many slots' keys and values are zeros (what a paged cache
+        that nothing wrote holds there), not their projections."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
@@ -190,6 +192,10 @@ class Attention(nn.Module):
         k = self.rotary.apply(k, cos, sin)
         if self.v_scale is not None:
             v = v * self.v_scale
+        if zero_kv:
+            k, v = k.clone(), v.clone()
+            k[:, :zero_kv] = 0
+            v[:, :zero_kv] = 0
         group = self.heads // self.kv_heads
         q = q.transpose(1, 2)  # [B, H, T, D]
         k = k.transpose(1, 2).repeat_interleave(group, dim=1)
@@ -315,9 +321,9 @@ class MTPLayer(nn.Module):
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
         self.final_layernorm = RMSNorm(a.hidden_size, a.layernorm_epsilon)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, zero_kv: int = 0) -> torch.Tensor:
         h = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev)), dim=-1))
-        h = h + self.self_attn(self.input_layernorm(h), positions)
+        h = h + self.self_attn(self.input_layernorm(h), positions, zero_kv)
         h = h + self.mlp(self.pre_mlp_layernorm(h))
         return self.final_layernorm(h)
 
@@ -376,12 +382,14 @@ class MimoReference(nn.Module):
         return self.model.norm(x)
 
     def mtp_hidden(
-        self, depth: int, input_ids: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor | None = None
+        self, depth: int, input_ids: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor | None = None,
+        zero_kv: int = 0,
     ) -> torch.Tensor:
-        """MTP layer `depth` (1-based): slot i reads prev[i] and input_ids[i] (token i + depth)."""
+        """MTP layer `depth` (1-based): slot i reads prev[i] and input_ids[i] (token i + depth);
+        the first `zero_kv` slots' keys and values are zeros (`Attention.forward`)."""
         positions = self._positions(input_ids, positions)
         embeds = self.model.embed_tokens(input_ids)
-        return self.model.mtp.layers[depth - 1](embeds, positions, prev)
+        return self.model.mtp.layers[depth - 1](embeds, positions, prev, zero_kv)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

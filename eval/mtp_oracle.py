@@ -14,13 +14,16 @@ positions n+1..n+k? Two drafters:
   step; draft step j runs layer 0 at slot n-1+j on the previous draft token, with the previous
   step's output hidden state, at position n-1+j.
 
-`floor` is the first slot whose drafter KV exists: 0 when the drafter ran over the prompt
-(warm), P-1 for a prompt of P tokens when it did not (cold: its first slot is the one the first
-decode step computes). Keys below the floor are masked exactly: every layer runs on slots from
-the floor on only. An MTP layer is one SWA block (window W), so the output at slot i depends on
-the layer's keys at slots i-W+1..i, and through the previous layer's outputs on the keys of layer
-m-1 back to i-2W+2: each layer is run over the slots its result depends on and no more, and the
-result is exact (the same as running over the whole sequence).
+`floor` is the first slot whose drafter KV exists: 0 when the drafter ran over the prompt (warm),
+P-1 for a prompt of P tokens when it did not (cold: its first slot is the one the first decode step
+computes). Keys below the floor are masked exactly: every layer runs on slots from the floor on
+only. Two other fills say what a drafter that skipped those slots reads in an engine, where they
+still take softmax weight: zero keys and values (a zeroed cache: the engine's cold runs,
+`MimoMTPProposer.warm_prompt`), or another sequence's drafter KV (a reused block). An MTP layer is
+one SWA block (window W), so the output at slot i depends on the layer's keys at slots i-W+1..i, and
+through the previous layer's outputs on the keys of layer m-1 back to i-2W+2: each layer is run over
+the slots its result depends on and no more, and the result is exact (the same as running over the
+whole sequence).
 
 Consequence (checked by `eval.bench_mtp`): warm and cold drafts agree once draft position t
 (1-based) of the distinct drafter sits t*(W-1) slots past the prompt (its chain reaches back t
@@ -46,10 +49,11 @@ class MtpOracle:
         with torch.no_grad():
             self.h0 = model.hidden(self.x[None])[0]  # main-model hidden states, causal: exact for any n
 
-    def _layer(self, depth: int, tokens: Sequence[int] | torch.Tensor, prev: torch.Tensor, start: int) -> torch.Tensor:
+    def _layer(self, depth: int, tokens: Sequence[int] | torch.Tensor, prev: torch.Tensor, start: int,
+               zero_kv: int = 0) -> torch.Tensor:
         ids = torch.as_tensor(tokens, dtype=torch.long)[None]
         positions = torch.arange(start, start + ids.shape[1])[None]
-        return self.model.mtp_hidden(depth, ids, prev[None], positions)[0]
+        return self.model.mtp_hidden(depth, ids, prev[None], positions, zero_kv)[0]
 
     def _argmax(self, hidden: torch.Tensor) -> int:
         return int(self.model.logits(hidden).argmax())
@@ -59,18 +63,31 @@ class MtpOracle:
         return int(self.x[pos]) if pos <= n else drafts[pos - n - 1]
 
     @torch.no_grad()
-    def distinct(self, n: int, k: int, floor: int = 0) -> list[int]:
-        """Ours: layer m drafts token n+m+1 at slot n-1 (see the module docstring)."""
+    def distinct(self, n: int, k: int, floor: int = 0, below: "str | MtpOracle" = "mask") -> list[int]:
+        """Ours: layer m drafts token n+m+1 at slot n-1 (see the module docstring). Below `floor`
+        the drafter's KV is `below`: "mask" (none), "zeros", or another sequence's oracle, whose
+        drafter's KV at those slots the cache holds (a block another request left there)."""
         if not 1 <= k <= self.model.num_mtp_layers:
             raise ValueError(f"k={k}: the distinct drafter needs 1 <= k <= {self.model.num_mtp_layers} (MTP layers)")
+        if isinstance(below, str) and below not in ("mask", "zeros"):
+            raise ValueError(f"below={below!r}: must be 'mask', 'zeros' or an MtpOracle")
         w, drafts, prev_out, prev_start = self.window, [], None, 0
         for m in range(k):
             # Layer m's output at slot n-1 reaches back (k-m) windows through the later layers'
             # inputs; k extra slots cover the draft slots of each layer.
-            start = max(floor, n - (k - m) * w - k)
+            start = max(floor if below == "mask" else 0, n - (k - m) * w - k)
+            cut = max(0, floor - start)  # slots [start, start + cut) are below the floor
             tokens = [self._token(i + m + 1, n, drafts) for i in range(start, n)]
             prev = self.h0[start:n] if m == 0 else prev_out[start - prev_start :]
-            out = self._layer(m + 1, tokens, prev, start)
+            if isinstance(below, MtpOracle) and cut:
+                # A slot's keys and values depend on its own inputs only: below the floor they
+                # are the other sequence's, and so are the outputs there, which feed the next
+                # layer's slots below the floor alone.
+                tokens[:cut] = [int(below.x[i + m + 1]) for i in range(start, floor)]
+                if m == 0:
+                    prev = torch.cat((below.h0[start:floor], prev[cut:]))
+            # With zeros, the outputs below the floor likewise feed only zeroed slots.
+            out = self._layer(m + 1, tokens, prev, start, cut if below == "zeros" else 0)
             drafts.append(self._argmax(out[-1]))
             prev_out, prev_start = out, start
         return drafts

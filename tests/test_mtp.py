@@ -59,6 +59,24 @@ def test_warm_and_cold_agree_once_a_draft_chain_has_left_the_prompt(oracle):
     assert any(oracle.distinct(n, 3, cold_floor) != oracle.distinct(n, 3) for n in range(PROMPT, PROMPT + 40, 2))
 
 
+def test_zeroed_or_stale_kv_below_the_floor_is_not_the_mask_and_leaves_the_window_like_it(oracle):
+    """What an unwarmed drafter reads in an engine: zeros (a zeroed cache) or another text's
+    drafter KV (a reused block). Either still takes softmax weight, so it differs from the exact
+    mask while the window reaches the prompt, and agrees with warm drafts once the chain has left it."""
+    donor = MtpOracle(oracle.model, heldout_sequences(MODEL, PROMPT + 3 * 128 + 16, 1, seed=4)[0])
+    w, floor = oracle.window, PROMPT - 1
+    late, early = PROMPT + 3 * (w - 1), range(PROMPT, PROMPT + 40, 2)
+    for below in ("zeros", donor):
+        assert oracle.distinct(late, 3, floor, below) == oracle.distinct(late, 3)
+        assert any(oracle.distinct(n, 3, floor, below) != oracle.distinct(n, 3, floor) for n in early)
+        # no slot below the floor: nothing to fill, the same as warm
+        assert oracle.distinct(PROMPT, 3, 0, below) == oracle.distinct(PROMPT, 3)
+    # the donor's KV is really read: stale and zeroed fills differ somewhere
+    assert any(oracle.distinct(n, 3, floor, donor) != oracle.distinct(n, 3, floor, "zeros") for n in early)
+    with pytest.raises(ValueError, match="below='nothing'"):
+        oracle.distinct(PROMPT, 3, floor, "nothing")
+
+
 def test_the_oracle_rejects_more_drafts_than_layers(oracle):
     with pytest.raises(ValueError, match="1 <= k <= 3"):
         oracle.distinct(PROMPT, 4)

@@ -5,6 +5,8 @@
 - The plugin's drafter at k = 1 drafts exactly what vLLM's drafts (the same layer, warmed the
   same way); at k = 3 it drafts what `eval.mtp_oracle` drafts in plain torch on the same
   sequences, step by step (and vLLM's layer-0 reuse does not: the negative control).
+- The benchmark's cold switch (the drafter not run over the prompt) drafts what the oracle's
+  zero-KV cold drafter drafts, step by step.
 - The acceptance counters by output bucket add up to vLLM's own counters.
 - Sampled decoding (temperature 0.5): the share of drafts accepted is the mean probability the
   target gives the draft token, as rejection sampling promises; with the plugin off (vLLM's
@@ -99,6 +101,34 @@ def test_ours_at_k3_drafts_what_the_oracle_drafts(greedy_runs):
     # negative control: the same steps under vLLM's layer-0 reuse differ somewhere
     same_reuse, _ = _oracle_agreement(runs, prompts, "reuse")
     assert same_reuse < total
+
+
+def test_the_cold_switch_drafts_what_the_oracle_drafts_from_zeroed_kv(greedy_runs):
+    """The benchmark's cold runs (`MimoMTPProposer.warm_prompt` off): greedy tokens unchanged,
+    every step drafted as the oracle's zero-KV cold drafter, and not as the warm or the masked
+    cold one (so the switch and the comparison are real)."""
+    prompts = greedy_runs["prompts"][:3]
+    cold = _run({"prompts": prompts, "max_tokens": MAX_TOKENS, "k": 3, "cold": True})["runs"]
+    assert [r["ids"] for r in cold] == [r["ids"] for r in greedy_runs["off"]["runs"][:3]]
+    import torch
+
+    from eval.mimo_reference import load_reference
+    from eval.mtp_oracle import MtpOracle
+
+    model = load_reference(MODEL, torch.float32)
+    same = warm = masked = total = 0
+    for run, prompt in zip(cold, prompts):
+        oracle = MtpOracle(model, torch.tensor(prompt + run["ids"]))
+        p = len(prompt)
+        for b, drafts in run["drafts"]:
+            if b < p or b >= p + len(run["ids"]):
+                continue
+            total += 1
+            same += oracle.distinct(b, 3, p - 1, below="zeros") == drafts
+            warm += oracle.distinct(b, 3) == drafts
+            masked += oracle.distinct(b, 3, p - 1) == drafts
+    assert total > 50 and same == total, f"{same} of {total} steps drafted as the oracle's zero-KV cold drafter"
+    assert warm < total and masked < total
 
 
 def _by_bucket(counters: dict, family: str) -> dict[str, float]:
