@@ -153,24 +153,27 @@ def run_sequence(oracle, prompt: int, continuation: int, method: str, k: int, co
         n += accepted + 1
 
 
-def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences: int, seed: int, quiet: bool) -> dict:
+def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences: int, seed: int, quiet: bool,
+                 names: list[str] | None = None) -> dict:
+    """The oracle's drafters (`names`, default all of `DRAFTERS`) on held-out sequences."""
     from eval.mimo_reference import load_reference
     from eval.mtp_oracle import MtpOracle
 
     torch.manual_seed(0)
     model = load_reference(folder, torch.float32)
-    k_max = max(k for _, _, k, _ in DRAFTERS)
+    drafters = [d for d in DRAFTERS if names is None or d[0] in names]
+    k_max = max(k for _, _, k, _ in drafters)
     results = {}
     for prompt in prompts:
         seqs = heldout_sequences(folder, prompt + continuation + k_max + 1, sequences, seed)
         donors = heldout_sequences(folder, prompt + continuation + k_max + 1, sequences, seed + 1)
-        stats: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in DRAFTERS}
-        fine: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in DRAFTERS}
+        stats: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in drafters}
+        fine: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in drafters}
         agreement = Agreement([0] * k_max, [0] * k_max, [0] * k_max)
         t0 = time.time()
         for i, seq in enumerate(seqs):
             oracle, donor = MtpOracle(model, seq), MtpOracle(model, donors[i])
-            for name, method, k, context in DRAFTERS:
+            for name, method, k, context in drafters:
                 check = agreement if (method == "distinct" and context == "warm") else None
                 run_sequence(oracle, prompt, continuation, method, k, context, stats[name], check, fine[name], donor)
             if not quiet:
@@ -187,27 +190,26 @@ def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences:
 def ratios(drafters: dict) -> dict:
     """Per bucket: ours warm / reuse k=3, warm / cold (masked, zero and stale KV) and warm /
     blind, on accepted tokens per target step."""
-    out = {}
-    warm, cold, reuse = drafters["distinct k=3 warm"], drafters["distinct k=3 cold"], drafters["reuse k=3"]
-    blind, zero = drafters["distinct k=3 blind"], drafters["distinct k=3 cold, zero KV"]
-    stale = drafters["distinct k=3 cold, stale KV"]
+    out: dict = {}
+    warm = drafters.get("distinct k=3 warm")
+    if warm is None:
+        return out
+    others = {
+        "warm_over_reuse_k3": "reuse k=3", "warm_over_cold": "distinct k=3 cold",
+        "warm_over_cold_zero_kv": "distinct k=3 cold, zero KV", "warm_over_cold_stale_kv": "distinct k=3 cold, stale KV",
+        "warm_over_blind": "distinct k=3 blind",
+    }
     for b in warm:
-        def per_step(d: dict) -> float:
-            return d[b]["accepted_per_step"]
-
-        out[b] = {
-            "warm_over_reuse_k3": per_step(warm) / per_step(reuse) if per_step(reuse) else None,
-            "warm_over_cold": per_step(warm) / per_step(cold) if per_step(cold) else None,
-            "warm_over_cold_zero_kv": per_step(warm) / per_step(zero) if per_step(zero) else None,
-            "warm_over_cold_stale_kv": per_step(warm) / per_step(stale) if per_step(stale) else None,
-            "warm_over_blind": per_step(warm) / per_step(blind) if per_step(blind) else None,
-        }
+        out[b] = {}
+        for key, name in others.items():
+            other = drafters.get(name, {}).get(b, {}).get("accepted_per_step")
+            out[b][key] = warm[b]["accepted_per_step"] / other if other else None
     return out
 
 
 def print_tables(results: dict, sequences: int, continuation: int) -> None:
     for prompt, r in results.items():
-        buckets = list(r["drafters"]["distinct k=3 warm"])
+        buckets = list(next(iter(r["drafters"].values())))
         print(f"\nOracle, prompt {prompt} tokens, {sequences} held-out sequences, {continuation} continuation tokens: accepted drafts per target step (acceptance by draft position)")
         print(f"{'drafter':<28}" + "".join(f"{b:>28}" for b in buckets))
         for name, by in r["drafters"].items():
@@ -220,7 +222,10 @@ def print_tables(results: dict, sequences: int, continuation: int) -> None:
         for key, label in (("warm_over_reuse_k3", "ours warm / reuse k=3"), ("warm_over_cold", "ours warm / cold"),
                            ("warm_over_cold_zero_kv", "ours warm / cold, zero KV"),
                            ("warm_over_cold_stale_kv", "ours warm / cold, stale KV"), ("warm_over_blind", "ours warm / blind")):
-            print(f"{label:<28}" + "".join(f"{r['ratios'][b][key]:>27.3f}x" for b in buckets))
+            if all(r["ratios"].get(b, {}).get(key) for b in buckets):
+                print(f"{label:<28}" + "".join(f"{r['ratios'][b][key]:>27.3f}x" for b in buckets))
+        if not {"distinct k=3 warm", "distinct k=3 cold"} <= set(r["fine"]):
+            continue
         warm, cold = r["fine"]["distinct k=3 warm"], r["fine"]["distinct k=3 cold"]
         print(
             f"ours warm / cold by {FINE} output tokens in the first bucket: "
@@ -376,7 +381,8 @@ def realized_steps(prompt_len: int, run: dict) -> list[tuple[int, list[int], int
 
 
 def vllm_bench(folder: Path, prompts: list[int], continuation: int, sequences: int, seed: int,
-               temperatures: list[float], quiet: bool) -> dict:
+               temperatures: list[float], quiet: bool, names: list[str] | None = None) -> dict:
+    """vLLM runs of the engines `names` (default all of `ENGINES`) on held-out prompts."""
     from eval.mimo_reference import load_reference
     from eval.mtp_oracle import MtpOracle
 
@@ -384,7 +390,7 @@ def vllm_bench(folder: Path, prompts: list[int], continuation: int, sequences: i
     by_len = {p: [s[:p].tolist() for s in heldout_sequences(folder, p + continuation + 4, sequences, seed)] for p in prompts}
     all_prompts = [ids for p in prompts for ids in by_len[p]]
     out: dict = {}
-    for name, k, all_layers, cold in ENGINES:
+    for name, k, all_layers, cold in [e for e in ENGINES if names is None or e[0] in names]:
         t0 = time.time()
         job = {"model": str(folder), "k": k, "prompts": all_prompts, "max_tokens": continuation,
                "temperatures": temperatures, "max_model_len": max(prompts) + continuation + 64, "cold": cold}
@@ -449,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm", action="store_true", help="also run vLLM (vllm k=1..3 and ours k=3) on the same prompts, greedy and sampled")
     p.add_argument("--vllm-sequences", type=int, default=8, help="prompts per length for the vLLM runs, >= 1 (default: 8)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.5], help="temperatures of the vLLM runs, each >= 0 (default: 0 0.5)")
+    p.add_argument("--drafters", nargs="+", choices=[d[0] for d in DRAFTERS], metavar="NAME",
+                   help="the oracle's drafters to run (default: all): " + ", ".join(repr(d[0]) for d in DRAFTERS))
+    p.add_argument("--engines", nargs="+", choices=[e[0] for e in ENGINES], metavar="NAME",
+                   help="the vLLM engines to run with --vllm (default: all): " + ", ".join(repr(e[0]) for e in ENGINES))
     p.add_argument("--engine-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -472,11 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--temperatures {args.temperatures}: each must be >= 0")
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there")
-    results = oracle_bench(args.model, args.prompt_tokens, args.continuation_tokens, args.sequences, args.seed, args.quiet)
+    results = oracle_bench(args.model, args.prompt_tokens, args.continuation_tokens, args.sequences, args.seed, args.quiet, args.drafters)
     print_tables(results, args.sequences, args.continuation_tokens)
     engines = {}
     if args.vllm:
-        engines = vllm_bench(args.model, args.prompt_tokens, args.continuation_tokens, args.vllm_sequences, args.seed, args.temperatures, args.quiet)
+        engines = vllm_bench(args.model, args.prompt_tokens, args.continuation_tokens, args.vllm_sequences, args.seed, args.temperatures, args.quiet, args.engines)
         print_vllm_tables(engines, results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
