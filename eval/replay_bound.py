@@ -16,6 +16,10 @@ Everything else (the pools, Full eviction, the SWA mask, the step cut) is the pl
 measuring tools, not policies. Where even they stay well below `swa-free`, what is missing is
 the memory SWA KV itself takes (anchor windows, running windows, a prefill's own blocks), not
 a better choice of which anchors to keep.
+
+A second table splits each plugin engine's hit tokens by the kind of anchor each hit ends at
+(`HitsByKind`), so where the clairvoyant engines gain on the plugin shows which anchors the
+plugin lets go too early.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,17 +106,45 @@ class Clairvoyance(CacheObserver):
         return max(tier, key=self.next_use)
 
 
-def clairvoyant_factory(requests: list[ReplayRequest], ideal: list[int], evict_farthest: bool) -> Callable[..., HybridKVCacheManager]:
-    """Builds the plugin's manager with anchors only where some request's ideal hit ends; with
-    `evict_farthest`, evicting the anchor whose next such request comes last."""
+HIT_KINDS = (AnchorKind.OUTPUT_END, AnchorKind.PROMPT_TAIL, AnchorKind.PROMPT_END, AnchorKind.HOT,
+             AnchorKind.BRANCH, AnchorKind.GRID, AnchorKind.RESUME, AnchorKind.DECLARED)
+"""`HitsByKind`'s columns: an anchor of several kinds counts as the first of them here."""
+
+
+class HitsByKind(CacheObserver):
+    """Hit tokens of requests' first admissions (as the replay counts them), by the kind of the
+    anchor each hit ends at (`HIT_KINDS`); "window" for a hit that ends at no anchor (inside a
+    running request's window)."""
+
+    def __init__(self) -> None:
+        self.tokens: Counter[str] = Counter()
+        self.block_size = 0  # set when the manager is built
+
+    def admitted(self, request, hit_tokens: int, path) -> None:
+        if request.num_preemptions or not hit_tokens:
+            return
+        anchor = path[hit_tokens // self.block_size - 1].anchor
+        kind = "window" if anchor is None else next(k.value for k in HIT_KINDS if k in anchor.kinds)
+        self.tokens[kind] += hit_tokens
+
+
+def plugin_factory(requests: list[ReplayRequest], ideal: list[int], hits: HitsByKind,
+                   clairvoyant: bool = False, evict_farthest: bool = False) -> Callable[..., HybridKVCacheManager]:
+    """Builds the plugin's manager, observed by `hits`; with `clairvoyant`, with anchors only
+    where some request's ideal hit ends, and with `evict_farthest` as well, evicting the anchor
+    whose next such request comes last."""
 
     def make(*args, **kwargs) -> HybridKVCacheManager:
-        sight = Clairvoyance(requests, ideal)
-        manager = HybridKVCacheManager(
-            *args, observers=[sight], anchor_filter=sight.worth_placing,
-            anchor_victim=sight.farthest if evict_farthest else None, **kwargs,
-        )
-        sight.manager = manager
+        if not clairvoyant:
+            manager = HybridKVCacheManager(*args, observers=[hits], **kwargs)
+        else:
+            sight = Clairvoyance(requests, ideal)
+            manager = HybridKVCacheManager(
+                *args, observers=[sight, hits], anchor_filter=sight.worth_placing,
+                anchor_victim=sight.farthest if evict_farthest else None, **kwargs,
+            )
+            sight.manager = manager
+        hits.block_size = manager.cache.block_size
         return manager
 
     return make
@@ -132,6 +165,19 @@ def print_table(runs: list[RunResult]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def print_kinds_table(runs: list[RunResult], kinds: dict[tuple[str, float], Counter[str]]) -> None:
+    """Hit tokens by the kind of anchor each hit ends at, per plugin engine and budget."""
+    columns = [k.value for k in HIT_KINDS] + ["window"]
+    columns = [c for c in columns if any(counts[c] for counts in kinds.values())]
+    print("\nHit tokens by the anchor kind each hit ends at:\n")
+    print("| KV GiB | engine | " + " | ".join(columns) + " |")
+    print("|---:|---|" + "---:|" * len(columns))
+    for run in runs:
+        counts = kinds.get((run.engine, run.kv_gib))
+        if counts is not None:
+            print(f"| {run.kv_gib:g} | {run.engine} | " + " | ".join(f"{counts[c]:,}" for c in columns) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_bound", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
@@ -148,28 +194,35 @@ def main(argv: list[str] | None = None) -> int:
     params = SimParams(max_model_len=source.max_model_len, closed_loop=not args.open_loop)
     ideal = ideal_hits(requests)
     print(f"replay_bound: {source_name}, {len(requests)} requests, layout {args.layout}", file=sys.stderr)
-    variants = {
-        "clairvoyant-placement": clairvoyant_factory(requests, ideal, evict_farthest=False),
-        "clairvoyant": clairvoyant_factory(requests, ideal, evict_farthest=True),
-    }
     runs = []
+    kinds: dict[tuple[str, float], Counter[str]] = {}
     for kv_gib in args.kv_gib:
         for name in ENGINES:
             engine = "swa-free" if name == "swa-free" else "mimo"
+            factory = None
+            if engine == "mimo":
+                hits = HitsByKind()
+                kinds[name, kv_gib] = hits.tokens
+                factory = plugin_factory(requests, ideal, hits, clairvoyant=name != "mimo",
+                                         evict_farthest=name == "clairvoyant")
             try:
                 run = simulate(engine, args.layout, kv_gib, requests, ideal, params,
-                               progress=not args.quiet, mimo_factory=variants.get(name))
+                               progress=not args.quiet, mimo_factory=factory)
             except ValueError as e:
                 print(f"error: {name} at {kv_gib} GiB: {e}", file=sys.stderr)
                 return 2
             run.engine = name
             run.skipped_too_long = source.skipped_too_long
+            if engine == "mimo":
+                assert sum(kinds[name, kv_gib].values()) == run.hit_tokens, "hits by kind do not add up"
             runs.append(run)
     print_table(runs)
+    print_kinds_table(runs, kinds)
     if args.json:
         args.json.write_text(json.dumps({
             "source": source_name, "layout": args.layout, "skipped_too_long": source.skipped_too_long,
-            "runs": [r.as_dict() for r in runs],
+            "runs": [{**r.as_dict(), **({"hits_by_anchor_kind": dict(kinds[r.engine, r.kv_gib])} if (r.engine, r.kv_gib) in kinds else {})}
+                     for r in runs],
         }, indent=2) + "\n")
     return 0
 

@@ -26,9 +26,10 @@ from typing import Any
 class UpstreamOffload:
     """The connector's scheduler side, and the worker's completions, for one replay run."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, manager: Any, host_bytes: int, retention: int | None) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, manager: Any, host_bytes: int, retention: int | None,
+                 max_model_len: int) -> None:
         """`vllm_config`: a model-less config of the run's own (changed here); `kv_cache_config`
-        and `manager`: upstream's, built with the same `retention`."""
+        and `manager`: upstream's, built with the same `retention`; `max_model_len`: the run's."""
         from vllm_mimo.compat import KVConnectorRole, KVTransferConfig, OffloadingConnector
 
         # The connector reads the retention interval from the cache config (the manager from
@@ -40,6 +41,7 @@ class UpstreamOffload:
         )
         object.__setattr__(vllm_config, "model_config", types.SimpleNamespace(
             use_mla=False, model="replay", dtype="bfloat16", get_total_num_kv_heads=lambda: 8,
+            max_model_len=max_model_len,  # read by vLLM 0.33's connector
         ))
         self.connector = OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
         self.connector.bind_kv_cache_manager(manager)

@@ -179,7 +179,8 @@ def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):
     requests = make_workload("shared-system-prompt", seed=0)[:80]
     ideal = replay.ideal_hits(requests)
     placed: list[bool] = []
-    make_clairvoyant = replay_bound.clairvoyant_factory(requests, ideal, evict_farthest=True)
+    by_kind = replay_bound.HitsByKind()
+    make_clairvoyant = replay_bound.plugin_factory(requests, ideal, by_kind, clairvoyant=True, evict_farthest=True)
 
     class Checked(CacheObserver):
         def __init__(self, manager) -> None:
@@ -203,6 +204,8 @@ def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):
                           progress=False, mimo_factory=checked)
     assert placed and all(placed)
     assert 0 < run.hit_tokens <= run.ideal_hit_tokens
+    # Every hit token is counted once, at the kind of anchor its hit ends at.
+    assert sum(by_kind.tokens.values()) == run.hit_tokens and by_kind.tokens["hot"] > 0
 
     out = tmp_path / "bound.json"
     args = ["--workload", "shared-system-prompt", "--layout", "mimo-v2.5-pro", "--kv-gib", "1",
@@ -211,6 +214,8 @@ def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):
     bound = {r["engine"]: r for r in json.loads(out.read_text())["runs"]}
     assert set(bound) == set(replay_bound.ENGINES)
     assert bound["clairvoyant"]["hit_tokens"] == run.hit_tokens
+    assert bound["clairvoyant"]["hits_by_anchor_kind"] == dict(by_kind.tokens)
+    assert "hits_by_anchor_kind" not in bound["swa-free"]
     plain = _run(tmp_path, *args, "--engines", "swa-free,mimo")
     for engine in ("swa-free", "mimo"):
         assert bound[engine]["hit_tokens"] == plain[(engine, 1.0)]["hit_tokens"]
