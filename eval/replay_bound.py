@@ -129,19 +129,18 @@ class HitsByKind(CacheObserver):
 
 
 def plugin_factory(requests: list[ReplayRequest], ideal: list[int], hits: HitsByKind,
-                   clairvoyant: bool = False, evict_farthest: bool = False) -> Callable[..., HybridKVCacheManager]:
-    """Builds the plugin's manager, observed by `hits`; with `clairvoyant`, with anchors only
-    where some request's ideal hit ends, and with `evict_farthest` as well, evicting the anchor
-    whose next such request comes last."""
+                   engine: str) -> Callable[..., HybridKVCacheManager]:
+    """Builds the manager of one of the plugin's `ENGINES` (see the module docstring), observed
+    by `hits`."""
 
     def make(*args, **kwargs) -> HybridKVCacheManager:
-        if not clairvoyant:
+        if engine == "mimo":
             manager = HybridKVCacheManager(*args, observers=[hits], **kwargs)
         else:
             sight = Clairvoyance(requests, ideal)
             manager = HybridKVCacheManager(
                 *args, observers=[sight, hits], anchor_filter=sight.worth_placing,
-                anchor_victim=sight.farthest if evict_farthest else None, **kwargs,
+                anchor_victim=sight.farthest if engine == "clairvoyant" else None, **kwargs,
             )
             sight.manager = manager
         hits.block_size = manager.cache.block_size
@@ -203,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             if engine == "mimo":
                 hits = HitsByKind()
                 kinds[name, kv_gib] = hits.tokens
-                factory = plugin_factory(requests, ideal, hits, clairvoyant=name != "mimo",
-                                         evict_farthest=name == "clairvoyant")
+                factory = plugin_factory(requests, ideal, hits, name)
             try:
                 run = simulate(engine, args.layout, kv_gib, requests, ideal, params,
                                progress=not args.quiet, mimo_factory=factory)
@@ -219,10 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(runs)
     print_kinds_table(runs, kinds)
     if args.json:
+        rows = []
+        for run in runs:
+            row = run.as_dict()
+            if (run.engine, run.kv_gib) in kinds:
+                row["hits_by_anchor_kind"] = dict(kinds[run.engine, run.kv_gib])
+            rows.append(row)
         args.json.write_text(json.dumps({
-            "source": source_name, "layout": args.layout, "skipped_too_long": source.skipped_too_long,
-            "runs": [{**r.as_dict(), **({"hits_by_anchor_kind": dict(kinds[r.engine, r.kv_gib])} if (r.engine, r.kv_gib) in kinds else {})}
-                     for r in runs],
+            "source": source_name, "layout": args.layout, "skipped_too_long": source.skipped_too_long, "runs": rows,
         }, indent=2) + "\n")
     return 0
 

@@ -180,7 +180,7 @@ def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):
     ideal = replay.ideal_hits(requests)
     placed: list[bool] = []
     by_kind = replay_bound.HitsByKind()
-    make_clairvoyant = replay_bound.plugin_factory(requests, ideal, by_kind, clairvoyant=True, evict_farthest=True)
+    make_clairvoyant = replay_bound.plugin_factory(requests, ideal, by_kind, "clairvoyant")
 
     class Checked(CacheObserver):
         def __init__(self, manager) -> None:
