@@ -1,0 +1,138 @@
+"""How often, and how soon, a later request goes on from a request's prompt, by prompt length.
+
+    python -m eval.trace_reuse --trace eval/traces/agentic-mooncake.jsonl --json eval/results/reuse-agentic-mooncake.json
+
+A request "goes on" from an earlier one when its prompt starts with all of the earlier prompt
+but its last segment (a Mooncake trace's last 512-token block is partial, and a next turn keeps
+only whole blocks): what a prompt-tail anchor serves. Per band of prompt length: how many
+requests, the share some later request goes on from, and the seconds until the first one does
+(quartiles, by arrival time). What it shows is what an eviction order that knows the future
+(`eval.replay_bound`'s `clairvoyant`) uses and an online one must learn (eval/RESULTS.md, issue 18).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eval.workloads import WORKLOADS, ReplayRequest, TraceError, make_workload, read_mooncake
+
+DEFAULT_BANDS = (3000, 6000, 15000)
+
+
+@dataclass
+class Band:
+    """Requests whose prompt is at least `min_tokens` long and shorter than `max_tokens` (None:
+    no upper bound)."""
+
+    min_tokens: int
+    max_tokens: int | None
+    requests: int = 0
+    continued: int = 0  # a later request goes on from its prompt
+    seconds_p25: float | None = None
+    seconds_median: float | None = None
+    seconds_p75: float | None = None
+
+    @property
+    def share(self) -> float:
+        return self.continued / self.requests if self.requests else 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.min_tokens:,}-{self.max_tokens:,}" if self.max_tokens is not None else f">= {self.min_tokens:,}"
+
+
+def next_use_seconds(requests: list[ReplayRequest]) -> list[float | None]:
+    """Per request (in arrival order), the seconds until the first later request goes on from its
+    prompt (see the module docstring), or None if none does or its prompt has one segment."""
+    starts: dict[tuple, list[int]] = defaultdict(list)  # prompt prefix -> requests starting with it
+    for j, request in enumerate(requests):
+        for end in range(1, len(request.prompt) + 1):
+            starts[request.prompt[:end]].append(j)
+    out: list[float | None] = []
+    for i, request in enumerate(requests):
+        later = starts.get(request.prompt[:-1], []) if len(request.prompt) > 1 else []
+        k = bisect_right(later, i)
+        out.append(requests[later[k]].arrival_s - request.arrival_s if k < len(later) else None)
+    return out
+
+
+def bands_of(requests: list[ReplayRequest], edges: tuple[int, ...]) -> list[Band]:
+    """One `Band` per interval between `edges` (ascending token counts), counted."""
+    bounds = (0, *edges)
+    bands = [Band(lo, hi) for lo, hi in zip(bounds, (*edges, None))]
+    gaps: list[list[float]] = [[] for _ in bands]
+    for request, seconds in zip(requests, next_use_seconds(requests)):
+        b = bisect_right(edges, request.prompt_len)
+        bands[b].requests += 1
+        if seconds is not None:
+            bands[b].continued += 1
+            gaps[b].append(seconds)
+    for band, seconds in zip(bands, gaps):
+        if len(seconds) >= 2:
+            band.seconds_p25, band.seconds_median, band.seconds_p75 = statistics.quantiles(seconds, n=4)
+        elif seconds:
+            band.seconds_p25 = band.seconds_median = band.seconds_p75 = seconds[0]
+    return bands
+
+
+def _edges(text: str) -> tuple[int, ...]:
+    try:
+        edges = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bands must be comma-separated token counts, got {text!r}") from None
+    if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise argparse.ArgumentTypeError(f"--bands must be positive and ascending, got {text!r}")
+    return edges
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.trace_reuse", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=Path, help="Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
+    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload from eval/workloads.py")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
+    parser.add_argument("--max-requests", type=int, help="only the first N requests, N >= 1")
+    parser.add_argument(
+        "--bands", type=_edges, default=DEFAULT_BANDS, metavar="TOKENS,...",
+        help=f"prompt lengths where one band ends and the next starts, ascending (default: {','.join(map(str, DEFAULT_BANDS))})",
+    )
+    parser.add_argument("--json", type=Path, help="write the table as JSON here")
+    args = parser.parse_args(argv)
+    if args.max_requests is not None and args.max_requests < 1:
+        parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
+    if not args.scale > 0:
+        parser.error(f"--scale must be > 0, got {args.scale}")
+    try:
+        requests = read_mooncake(args.trace) if args.trace else make_workload(args.workload, args.seed, args.scale)
+    except (TraceError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    requests = requests[: args.max_requests]
+    bands = bands_of(requests, args.bands)
+
+    def seconds(value: float | None) -> str:
+        return "" if value is None else f"{value:.1f}"
+
+    name = str(args.trace) if args.trace else args.workload
+    print(f"{name}: {len(requests)} requests")
+    print("| prompt tokens | requests | a later request goes on from it | share | seconds until then: p25 | median | p75 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for band in bands:
+        print(f"| {band.label} | {band.requests} | {band.continued} | {band.share:.2f} | "
+              f"{seconds(band.seconds_p25)} | {seconds(band.seconds_median)} | {seconds(band.seconds_p75)} |")
+    if args.json:
+        rows = [{**asdict(band), "share": band.share} for band in bands]
+        args.json.write_text(json.dumps({"source": name, "requests": len(requests), "bands": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
