@@ -654,16 +654,19 @@ def plot(runs: list[RunResult], out: Path, title: str) -> None:
     fig.savefig(out, dpi=120)
 
 
-def add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments that say what to replay (shared with `eval.replay_diagnose`)."""
+def add_source_arguments(parser: argparse.ArgumentParser, replay: bool = True) -> None:
+    """The arguments that say what to replay (shared with the other replay tools), and with
+    `replay` the model layout to replay it on and how sessions are sent."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", type=Path, help="Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload from eval/workloads.py")
-    parser.add_argument("--layout", required=True, help=f"model layout: {', '.join(LAYOUTS)}")
+    if replay:
+        parser.add_argument("--layout", required=True, help=f"model layout: {', '.join(LAYOUTS)}")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests, N >= 1")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
-    parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")
+    if replay:
+        parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")
     parser.add_argument(
         "--max-model-len", type=int, default=SimParams.max_model_len, metavar="TOKENS",
         help=f"the engines' max_model_len, a multiple of {BLOCK_SIZE}; a request whose prompt and "
@@ -688,7 +691,7 @@ def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> So
     the trace is unreadable or malformed, or no request is short enough."""
     from eval.workloads import TraceError
 
-    if args.layout not in LAYOUTS:
+    if hasattr(args, "layout") and args.layout not in LAYOUTS:
         parser.error(f"unknown layout {args.layout!r}; known layouts: {', '.join(LAYOUTS)}")
     if args.max_requests is not None and args.max_requests < 1:
         parser.error(f"--max-requests must be >= 1, got {args.max_requests}")

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eval.workloads import WORKLOADS, ReplayRequest, TraceError, make_workload, read_mooncake
+from eval.replay import add_source_arguments, load_source
+from eval.workloads import ReplayRequest
 
 DEFAULT_BANDS = (3000, 6000, 15000)
 
@@ -94,34 +94,23 @@ def _edges(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.trace_reuse", description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", type=Path, help="Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
-    source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload from eval/workloads.py")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
-    parser.add_argument("--max-requests", type=int, help="only the first N requests, N >= 1")
+    add_source_arguments(parser, replay=False)
     parser.add_argument(
         "--bands", type=_edges, default=DEFAULT_BANDS, metavar="TOKENS,...",
         help=f"prompt lengths where one band ends and the next starts, ascending (default: {','.join(map(str, DEFAULT_BANDS))})",
     )
     parser.add_argument("--json", type=Path, help="write the table as JSON here")
     args = parser.parse_args(argv)
-    if args.max_requests is not None and args.max_requests < 1:
-        parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
-    if not args.scale > 0:
-        parser.error(f"--scale must be > 0, got {args.scale}")
-    try:
-        requests = read_mooncake(args.trace) if args.trace else make_workload(args.workload, args.seed, args.scale)
-    except (TraceError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    source = load_source(parser, args)
+    if source is None:
         return 1
-    requests = requests[: args.max_requests]
+    requests = source.requests
     bands = bands_of(requests, args.bands)
 
     def seconds(value: float | None) -> str:
         return "" if value is None else f"{value:.1f}"
 
-    name = str(args.trace) if args.trace else args.workload
+    name = source.name
     print(f"{name}: {len(requests)} requests")
     print("| prompt tokens | requests | a later request goes on from it | share | seconds until then: p25 | median | p75 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
