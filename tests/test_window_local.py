@@ -216,17 +216,14 @@ def flashinfer_call(query, key, value, scale, causal, window_left):
     return out, lse.transpose(0, 1)
 
 
-def _split_case(context_window_left=0, context_causal=False):
+def _paged_requests():
     """Requests (a decode, a chunk longer than W, a chunk shorter than W - 1, a first chunk,
-    contexts shorter than W - 1 and not block-aligned) over a paged cache whose positions
-    outside every window hold large garbage; the two calls run as FlashInfer would run them
-    (`flashinfer_call`) on the plan's arrays, merged by `combine_split`. Returns (ours, the
-    dense reference)."""
+    contexts shorter than W - 1 and not block-aligned) over a paged cache `[pages, block size,
+    kv heads, D]` whose positions outside every window hold large garbage, so a call that
+    reads one gives a different result."""
     torch.manual_seed(3)
     heads, kv_heads, dqk, dv, bs, window = 4, 2, 24, 16, 4, 10
     contexts, chunks = [30, 17, 5, 0, 21, 3], [1, 23, 4, 12, 9, 2]
-    scale = dqk**-0.5
-    sink = torch.randn(heads)
     num_pages = 80
     key_pages = torch.full((num_pages, bs, kv_heads, dqk), 1e4)
     value_pages = torch.full((num_pages, bs, kv_heads, dv), 1e4)
@@ -237,18 +234,35 @@ def _split_case(context_window_left=0, context_causal=False):
         for p in range(max(0, c - (window - 1)), c):  # only the window is ever kept
             key_pages[table[r, p // bs], p % bs] = keys[r][p]
             value_pages[table[r, p // bs], p % bs] = values[r][p]
-    query = torch.randn(sum(chunks), heads, dqk)
     qsl = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
-    plan = plan_split(qsl, torch.tensor(contexts) + torch.tensor(chunks), window, bs)
-    new_k = torch.cat([k[c:] for k, c in zip(keys, contexts)])
-    new_v = torch.cat([v[c:] for v, c in zip(values, contexts)])
+    return {
+        "window": window, "bs": bs, "scale": dqk**-0.5, "sink": torch.randn(heads), "table": table,
+        "key_pages": key_pages, "value_pages": value_pages, "qsl": qsl,
+        "seq_lens": torch.tensor(contexts) + torch.tensor(chunks), "query": torch.randn(sum(chunks), heads, dqk),
+        "new_k": torch.cat([k[c:] for k, c in zip(keys, contexts)]),
+        "new_v": torch.cat([v[c:] for v, c in zip(values, contexts)]),
+        "want": lambda query, scale, sink: torch.cat([
+            dense_reference(query[qsl[r] : qsl[r + 1]], keys[r], values[r], contexts[r], window, scale, sink)
+            for r in range(len(chunks))
+        ]),
+    }
+
+
+def _split_case(context_window_left=0, context_causal=False):
+    """`_paged_requests` with the two calls run as FlashInfer would run them
+    (`flashinfer_call`) on the plan's arrays, merged by `combine_split`. Returns (the plan,
+    ours, the dense reference)."""
+    case = _paged_requests()
+    window, bs, scale, sink, qsl, query = (case[k] for k in ("window", "bs", "scale", "sink", "qsl", "query"))
+    new_k, new_v, key_pages, value_pages = (case[k] for k in ("new_k", "new_v", "key_pages", "value_pages"))
+    plan = plan_split(qsl, case["seq_lens"], window, bs)
     chunk_out, chunk_lse = [], []
-    for r in range(len(chunks)):
+    for r in range(len(qsl) - 1):
         rows = slice(int(qsl[r]), int(qsl[r + 1]))
         out, lse = flashinfer_call(query[rows], new_k[rows], new_v[rows], scale, True, window - 1)
         chunk_out.append(out)
         chunk_lse.append(lse)
-    pages = table[plan.page_request, plan.page_column]
+    pages = case["table"][plan.page_request, plan.page_column]
     context_out, context_lse = [], []
     for c in range(plan.context_requests.numel()):
         ids = pages[plan.page_indptr[c] : plan.page_indptr[c + 1]]
@@ -261,11 +275,7 @@ def _split_case(context_window_left=0, context_causal=False):
         context_out.append(out)
         context_lse.append(lse)
     ours = combine_split(plan, (torch.cat(chunk_out), torch.cat(chunk_lse)), (torch.cat(context_out), torch.cat(context_lse)), sink)
-    want = torch.cat([
-        dense_reference(query[qsl[r] : qsl[r + 1]], keys[r], values[r], contexts[r], window, scale, sink)
-        for r in range(len(chunks))
-    ])
-    return plan, ours, want
+    return plan, ours, case["want"](query, scale, sink)
 
 
 def test_split_plan_computes_the_window_with_flashinfers_masks():
@@ -283,6 +293,107 @@ def test_split_plan_comparison_can_fail(window_left, causal):
     sequence (W - 1), or causal, and the comparison fails."""
     _, ours, want = _split_case(context_window_left=window_left, context_causal=causal)
     assert not torch.allclose(ours, want, atol=1e-9)
+
+
+# ------------- the DIFFKV path's two FlashAttention calls (cuda_diffkv, K and V sizes differ)
+
+
+def flash_attn_call(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+                    block_table=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
+                    return_softmax_lse=False, fa_version=None, bottom_right=True):
+    """`flash_attn_varlen_func` computed by its documented mask rule (vLLM's
+    `vllm_flash_attn/flash_attn_interface.py`, 0.32 and 0.33: query row i of a sequence of sq
+    rows and sk keys sees keys i + sk - sq - left .. i + sk - sq + right, -1 meaning no bound;
+    causal also needs j <= i + sk - sq), in float64: keys ragged (`cu_seqlens_k`) or paged
+    (`block_table`, `seqused_k`, `k` / `v` as `[blocks, block size, kv heads, D]`).
+    `bottom_right=False` aligns the first row with the first key instead: the negative control."""
+    assert return_softmax_lse and softcap == 0.0
+    left, right = window_size or (-1, -1)
+    outs, lses = [], []
+    for r in range(len(cu_seqlens_q) - 1):
+        qr = q[int(cu_seqlens_q[r]) : int(cu_seqlens_q[r + 1])].double()
+        if block_table is None:
+            kr, vr = (t[int(cu_seqlens_k[r]) : int(cu_seqlens_k[r + 1])].double() for t in (k, v))
+        else:
+            n = int(seqused_k[r])
+            pages = block_table[r, : -(-n // k.shape[1])].long()
+            kr, vr = (t[pages].flatten(0, 1)[:n].double() for t in (k, v))
+        sq, sk = qr.shape[0], kr.shape[0]
+        shift = sk - sq if bottom_right else 0
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        seen = torch.ones(sq, sk, dtype=torch.bool)
+        if left >= 0:
+            seen &= j >= i + shift - left
+        if right >= 0:
+            seen &= j <= i + shift + right
+        if causal:
+            seen &= j <= i + shift
+        groups = qr.shape[1] // kr.shape[1]
+        kr, vr = kr.repeat_interleave(groups, 1), vr.repeat_interleave(groups, 1)
+        logits = (torch.einsum("qhd,khd->hqk", qr, kr) * softmax_scale).masked_fill(~seen[None], float("-inf"))
+        lses.append(torch.logsumexp(logits, dim=-1))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), vr))
+    return torch.cat(outs), torch.cat(lses, dim=1)  # [rows, heads, Dv], [heads, rows]
+
+
+def _diffkv_case(bottom_right=True):
+    """`_paged_requests` through `cuda_diffkv`: the plan over the step's block table, the two
+    calls as FlashAttention computes them, merged with the sinks once. Returns (the plan,
+    ours, the dense reference)."""
+    from vllm_mimo.attention_backends.cuda_diffkv import attend, plan_step
+
+    case = _paged_requests()
+    plan = plan_step(case["qsl"], case["seq_lens"], case["table"], case["window"], case["bs"])
+    ours = attend(
+        case["query"], case["new_k"], case["new_v"], case["key_pages"], case["value_pages"], plan,
+        scale=case["scale"], softcap=0.0, sinks=case["sink"], fa_version=3,
+        varlen=lambda **kwargs: flash_attn_call(**kwargs, bottom_right=bottom_right),
+    )
+    return plan, ours, case["want"](case["query"], case["scale"], case["sink"])
+
+
+def test_diffkv_path_computes_the_window_with_flash_attentions_masks():
+    plan, ours, want = _diffkv_case()
+    # `attend` merges in float32, as on the GPU.
+    assert torch.allclose(ours.double(), want, atol=1e-6), (ours - want).abs().max()
+    # Each context's pages, from the one holding context - (W - 1) to the one holding
+    # context - 1; keys counted from the first page's first slot.
+    contexts, bs, window = [30, 17, 5, 21, 3], 4, 10
+    first = [max(0, c - (window - 1)) // bs for c in contexts]
+    assert plan.context_keys.tolist() == [c - f * bs for c, f in zip(contexts, first)]
+    table = _paged_requests()["table"]
+    for row, (r, c, f) in enumerate(zip([0, 1, 2, 4, 5], contexts, first)):
+        pages = (c - 1) // bs - f + 1
+        assert plan.context_block_table[row, :pages].tolist() == table[r, f : f + pages].tolist()
+
+
+def test_diffkv_path_with_no_context_makes_one_call():
+    """A step of first chunks only: no context call, the chunk call alone, sinks once."""
+    from vllm_mimo.attention_backends.cuda_diffkv import attend, plan_step
+
+    torch.manual_seed(5)
+    window, bs, scale, sink = 6, 4, 0.3, torch.randn(2)
+    query, key, value = torch.randn(9, 2, 8), torch.randn(9, 1, 8), torch.randn(9, 1, 4)
+    qsl = torch.tensor([0, 5, 9])
+    plan = plan_step(qsl, torch.tensor([5, 4]), torch.zeros(2, 3, dtype=torch.int64), window, bs)
+    calls = []
+
+    def varlen(**kwargs):
+        calls.append(kwargs)
+        return flash_attn_call(**kwargs)
+
+    ours = attend(query, key, value, torch.empty(0), torch.empty(0), plan, scale=scale, softcap=0.0,
+                  sinks=sink, fa_version=3, varlen=varlen)
+    want = torch.cat([dense_reference(query[a:b], key[a:b], value[a:b], 0, window, scale, sink) for a, b in ((0, 5), (5, 9))])
+    assert len(calls) == 1 and plan.context_block_table.shape == (0, 0)
+    assert torch.allclose(ours.double(), want, atol=1e-6)
+
+
+def test_diffkv_path_comparison_can_fail():
+    """Negative control: a kernel that aligned the first query row with the first key (not
+    the last with the last) would read other keys, and the comparison tells."""
+    _, ours, want = _diffkv_case(bottom_right=False)
+    assert not torch.allclose(ours.double(), want, atol=1e-6)
 
 
 # ------------------------------------------------------------------ the engine

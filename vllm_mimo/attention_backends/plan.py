@@ -178,6 +178,20 @@ def plan_split(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: in
     )
 
 
+def context_pages(split: SplitPlan, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context call's pages as a block table, for kernels that take one (FlashAttention):
+    `[C, P]` logical blocks (columns of the step's block table, rows `split.context_requests`;
+    a shorter list repeats its last page, which the kernel never reads) and `[C]` keys from the
+    first page's first slot to the context's end."""
+    pages = split.page_indptr[1:] - split.page_indptr[:-1]
+    if not pages.numel():
+        return torch.zeros((0, 0), dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    first = split.page_column[split.page_indptr[:-1]]
+    j = torch.arange(int(pages.max()), dtype=torch.int64)
+    columns = first[:, None] + torch.minimum(j[None, :], pages[:, None] - 1)
+    return columns, (pages - 1) * block_size + split.last_page_len
+
+
 def mask_null_slots(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
     """`slot_mapping` with every slot in the null block (id 0) set to -1, which cache writers
     skip: positions the manager keeps no SWA KV for get the null block, and their keys must
