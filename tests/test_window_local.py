@@ -389,6 +389,19 @@ def test_diffkv_path_with_no_context_makes_one_call():
     assert torch.allclose(ours.double(), want, atol=1e-6)
 
 
+def test_diffkv_path_leaves_decode_steps_to_vllm():
+    """A step of at most one new token per request, plus the drafts with MTP, runs vLLM's code
+    (the manager keeps every slot it reads), unless the drafts reach the window."""
+    from types import SimpleNamespace
+
+    from vllm_mimo.attention_backends.cuda_diffkv import decode_query_len
+
+    assert decode_query_len(SimpleNamespace(speculative_config=None), 128) == 1
+    mtp = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3))
+    assert decode_query_len(mtp, 128) == 4
+    assert decode_query_len(mtp, 4) == 1
+
+
 def test_diffkv_path_comparison_can_fail():
     """Negative control: a kernel that aligned the first query row with the first key (not
     the last with the last) would read other keys, and the comparison tells."""

@@ -109,6 +109,8 @@ _LAZY = {
     # Defined only where vLLM's FlashAttention build is importable (CUDA).
     "flash_attn_varlen_func": ("vllm.v1.attention.backends.fa_utils", "flash_attn_varlen_func"),
     "canonicalize_singleton_dim_strides": ("vllm.utils.torch_utils", "canonicalize_singleton_dim_strides"),
+    "is_quantized_kv_cache": ("vllm.v1.kv_cache_interface", "is_quantized_kv_cache"),
+    "get_current_vllm_config": ("vllm.config", "get_current_vllm_config"),
     "gpu_sync_allowed": ("vllm.utils.gpu_sync_debug", "gpu_sync_allowed"),
     # vLLM's own host offloading, driven by the replay (eval/upstream_offload.py).
     "OffloadingConnector": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", "OffloadingConnector"),

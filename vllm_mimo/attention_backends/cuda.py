@@ -99,8 +99,11 @@ class WindowLocalImpl(_Impl):  # type: ignore[misc,valid-type]
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         split = getattr(attn_metadata, "window_prefill", None)
-        if split is None or key is None or value is None or output_scale is not None:
+        if split is None or key is None or value is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            # vLLM's code would read the chunk's keys back from blocks the manager did not keep.
+            raise NotImplementedError("vllm-mimo: window-local SWA attention has no fused output quantization")
         first, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
         # The pages exactly as vLLM's forward hands them to FlashInfer (its layout's view).
         pages = kv_cache.permute(*attn_metadata.kv_cache_layout.layer_view_order).split(self.head_size, dim=-1)

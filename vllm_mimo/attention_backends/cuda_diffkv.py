@@ -12,9 +12,10 @@ MiMo's model picks its backend itself for these layers (`FLASH_ATTN_DIFFKV` wher
 else `TRITON_ATTN_DIFFKV`), past `attention_config.backend_per_kind`; `install` registers this
 class under the `FLASH_ATTN_DIFFKV` name, and `configure` refuses window-local where MiMo would
 not pick it. It acts only on SWA groups of engines where `cpu.window_local_engine` says so;
-elsewhere it is vLLM's class. In a step where some request has more than one new token, every
-request of the step runs the two calls (FlashAttention handles decode and prefill rows in one
-call, so the step is not split; a decode row costs W-1 context rows there):
+elsewhere it is vLLM's class. In a step where some request has more new tokens than a decode
+step's (one, plus the drafts with EAGLE/MTP), every request of the step runs the two calls
+(FlashAttention handles decode and prefill rows in one call, so the step is not split; a decode
+row costs W-1 context rows there):
 
 - the chunk: queries, keys and values of the step's new tokens in flight, ragged, causal, a
   window of W-1 keys to the left;
@@ -25,10 +26,11 @@ call, so the step is not split; a decode row costs W-1 context rows there):
 - both return natural-log LSEs (`[heads, rows]`); `reference.combine_split` merges them and
   applies the sinks once. No `s_aux`: FA3 refuses sinks when the head sizes differ.
 
-Steps where every request has one new token run vLLM's code (the manager keeps their windows),
-and full CUDA graphs are captured only for those (`get_cudagraph_support`). Not covered:
-quantized KV caches, decode context parallelism, multimodal bidirectional prefixes: startup or
-step errors.
+Decode steps run vLLM's code: the manager gives real SWA blocks to every new position of a
+step of at most W-1 new tokens per request, so the stock kernel reads only kept slots. Full CUDA
+graphs are captured for uniform decode batches only (`UNIFORM_BATCH`), which take that path.
+Not covered: quantized KV caches, decode context parallelism, multimodal bidirectional
+prefixes: startup or step errors.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class DiffKVPlan:
     docstring); R requests, C of them with a context, P pages at most per context.
 
     split:               the step's `SplitPlan` (context rows and their validity on the device)
+    num_tokens:          T, the step's new tokens (rows past them are padding)
     query_start_loc:     [R+1] int32, the new tokens' offsets (both calls' query offsets, and
                          the chunk call's key offsets)
     max_query_len:       the most new tokens of one request
@@ -61,6 +64,7 @@ class DiffKVPlan:
     """
 
     split: SplitPlan
+    num_tokens: int
     query_start_loc: torch.Tensor
     max_query_len: int
     context_qo_indptr: torch.Tensor
@@ -84,6 +88,7 @@ def plan_step(
         split=dataclasses.replace(
             split, context_rows=split.context_rows.to(device), context_valid=split.context_valid.to(device)
         ),
+        num_tokens=int(qsl[-1]) if qsl.numel() else 0,
         query_start_loc=qsl.to(device=device, dtype=torch.int32),
         max_query_len=int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0,
         context_qo_indptr=split.context_qo_indptr.to(device=device, dtype=torch.int32),
@@ -144,9 +149,22 @@ class WindowLocalDiffKVMetadata(_Metadata):  # type: ignore[misc,valid-type]
 
 
 def _window_local(vllm_config: Any, kv_cache_spec: Any) -> bool:
+    """Whether a KV cache group of `kv_cache_spec` runs window-locally: sliding-window layers
+    (a group of per-layer specs counts if any is) of an engine that runs the plugin's path."""
     from vllm_mimo.attention_backends.cpu import window_local_engine
 
-    return isinstance(kv_cache_spec, compat.SlidingWindowSpec) and window_local_engine(vllm_config)
+    specs = getattr(kv_cache_spec, "kv_cache_specs", {kv_cache_spec: kv_cache_spec})
+    sliding = any(isinstance(spec, compat.SlidingWindowSpec) for spec in specs.values())
+    return sliding and window_local_engine(vllm_config)
+
+
+def decode_query_len(vllm_config: Any, window: int) -> int:
+    """New tokens per request of a decode step: one, plus the drafts with EAGLE/MTP. A step
+    with no more than this per request runs vLLM's code (see the module docstring), which needs
+    it below W."""
+    speculative = vllm_config.speculative_config
+    drafts = speculative.num_speculative_tokens if speculative is not None else 0
+    return 1 + drafts if 1 + drafts < window else 1
 
 
 class WindowLocalDiffKVBuilder(_Builder):  # type: ignore[misc,valid-type]
@@ -155,24 +173,26 @@ class WindowLocalDiffKVBuilder(_Builder):  # type: ignore[misc,valid-type]
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
-        # A step with more than one new token per request takes the two calls, whose shapes
-        # depend on the step: only single-token decode batches may be captured whole.
+        # A step with a prefill takes the two calls, whose shapes depend on the step: only
+        # uniform decode batches (vLLM's code) may be captured whole.
+        support = super().get_cudagraph_support(vllm_config, kv_cache_spec)
         if _window_local(vllm_config, kv_cache_spec):
-            return compat.AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+            return min(support, compat.AttentionCGSupport.UNIFORM_BATCH, key=lambda level: level.value)
+        return support
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.window_local = _window_local(vllm_config, kv_cache_spec)
         if not self.window_local:
             return
-        if self.cache_config.cache_dtype != "auto" or self.dcp_world_size > 1:
+        if compat.is_quantized_kv_cache(self.cache_config.cache_dtype) or self.dcp_world_size > 1:
             raise RuntimeError(
                 f"vllm-mimo: swa_attention is window-local, but the sliding-window KV cache group of "
                 f"{layer_names[:3]}... cannot run it on CUDA (kv cache dtype {self.cache_config.cache_dtype!r}, "
                 f"decode context parallel size {self.dcp_world_size}); set swa_attention to 'stock'"
             )
         self.window = kv_cache_spec.sliding_window
+        self.decode_query_len = decode_query_len(vllm_config, self.window)
         # The plan is this group's own (its block table): never reused for another group, nor
         # updated in place for a draft step.
         self.supports_update_block_table = False
@@ -180,7 +200,7 @@ class WindowLocalDiffKVBuilder(_Builder):  # type: ignore[misc,valid-type]
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if not self.window_local or common_attn_metadata.max_query_len <= 1:
+        if not self.window_local or common_attn_metadata.max_query_len <= self.decode_query_len:
             return metadata
         if metadata.mm_prefix_query_range_tensor is not None:
             raise RuntimeError(
@@ -201,11 +221,15 @@ class WindowLocalDiffKVImpl(_Impl):  # type: ignore[misc,valid-type]
     """vLLM's FlashAttention DiffKV attention; a step with a `DiffKVPlan` runs `attend`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from vllm_mimo.attention_backends.cpu import window_local_engine
+
         super().__init__(*args, **kwargs)
+        # Built while vLLM builds the model, under its config.
+        self.window_local = self.sliding_window[0] >= 0 and window_local_engine(compat.get_current_vllm_config())
         # The two calls pass no sinks, so no FA4 upgrade for them: FA3 on Hopper.
         self.window_fa_version = compat.get_flash_attn_version(
             head_size=self.head_size, head_size_v=_Backend.head_size_v, has_sinks=False
-        )
+        ) if self.window_local else None
 
     def forward(
         self,
@@ -228,7 +252,7 @@ class WindowLocalDiffKVImpl(_Impl):  # type: ignore[misc,valid-type]
             raise RuntimeError(
                 f"vllm-mimo: the window-local plan has {plan.block_size}-token blocks, the cache {kv_cache.shape[2]}"
             )
-        n = attn_metadata.num_actual_tokens
+        n = plan.num_tokens  # the rows past it are padding, which vLLM's code leaves alone too
         # The cache as vLLM's forward reads it: [blocks, block size, kv heads, K | V].
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         out = attend(
@@ -243,7 +267,7 @@ class WindowLocalDiffKVImpl(_Impl):  # type: ignore[misc,valid-type]
     def do_kv_cache_update(
         self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        if self.sliding_window[0] >= 0:
+        if self.window_local:
             # The logical view is [blocks, kv heads, block size, K | V]: see vLLM's forward.
             slot_mapping = mask_null_slots(slot_mapping, kv_cache.shape[2])
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
