@@ -315,6 +315,45 @@ def test_an_anchor_is_worth_the_tokens_it_alone_makes_reachable_per_block_it_kee
     assert placement.worth(tail) == pytest.approx(share * 30 * BLOCK / (4 + 30))
 
 
+def test_a_prompt_tail_looks_back_further_and_is_worth_what_tails_of_its_length_serve():
+    """Long prompts' tails serve (a tool loop's next turn), short ones' do not (a last turn):
+    the share is learned per depth band, evicted tails a later request passes included; a tail
+    looks back up to TAIL_REACH positions."""
+    from vllm_mimo.block_manager.placement import BAND_PRIOR, TAIL_REACH
+
+    tree = PrefixTree()
+    nodes = _chain(tree, 200)
+    placement = AnchorPlacement(BLOCK, 0, 2, ghost_capacity=4, window_cost=4, full_blocks_per_position=1)
+    share = placement.usefulness(AnchorKind.PROMPT_TAIL)
+    long_tail = Anchor(nodes[199], AnchorKind.PROMPT_TAIL, 2)  # no live anchor above: 200 positions
+    assert TAIL_REACH < 200
+    assert placement.worth(long_tail) == pytest.approx(share * TAIL_REACH * BLOCK / (4 + TAIL_REACH))
+    grid = Anchor(nodes[99], AnchorKind.GRID, 2)  # a grid point stops at WORTH_REACH (64)
+    assert placement.worth(grid) == pytest.approx(share * 64 * BLOCK / (4 + 64))
+    grid.uncover()
+
+    long_depths, short_depths = (130, 150, 170, 180), (11, 12, 13)  # two depth bands
+    tails = {depth: Anchor(nodes[depth], AnchorKind.PROMPT_TAIL, 1) for depth in (*long_depths, *short_depths)}
+    for tail in tails.values():
+        placement.anchor_placed(tail, AnchorKind.PROMPT_TAIL)
+    for depth in long_depths[:3]:
+        placement.on_hit(tails[depth], goes_on=True)
+    placement.anchor_evicted(tails[180], ANCHOR_BUDGET)  # unserved: remembered
+    for tail in tails.values():
+        tail.uncover()
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=205 * BLOCK, num_preemptions=0, sampling_params=None)
+    placement.on_admitted(request, [node.block_hash for node in nodes], [], hit_tokens=0)  # passes it
+    assert placement.served[AnchorKind.PROMPT_TAIL] == 4  # of 7
+    kind_share = placement.usefulness(AnchorKind.PROMPT_TAIL)
+    assert kind_share == pytest.approx(5 / 9)
+    assert placement.usefulness(AnchorKind.PROMPT_TAIL, 178) == pytest.approx((4 + BAND_PRIOR * kind_share) / (4 + BAND_PRIOR))
+    assert placement.usefulness(AnchorKind.PROMPT_TAIL, 14) == pytest.approx((0 + BAND_PRIOR * kind_share) / (3 + BAND_PRIOR))
+    assert placement.usefulness(AnchorKind.PROMPT_TAIL, 60) == pytest.approx(kind_share)  # a band with no evidence
+    long_tail, short_tail = Anchor(nodes[178], AnchorKind.PROMPT_TAIL, 1), Anchor(nodes[14], AnchorKind.PROMPT_TAIL, 1)
+    assert placement.worth(long_tail) > 2 * placement.worth(short_tail)
+
+
+
 def test_a_demoted_shared_anchor_that_serves_again_is_held_while_its_node_is():
     """A prompt tail demoted while a request ran through it, then hit by the next request: no
     longer demoted, and in use while that request holds its node (found by the stateful test)."""

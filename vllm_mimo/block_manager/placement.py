@@ -32,16 +32,21 @@ tokens a hit at it reaches beyond the live anchor above it on its path (what it 
 hittable; a demoted anchor above goes first, so it does not count), times the share of its
 kind that serves, per block of its window and of that Full KV. A grid point between two
 anchors is worth little; the last anchor of a long conversation is worth more; so a grid thins
-out where branches are rare. The look-back is capped (`WORTH_REACH`) except from an output
-end: a session's next turn goes on from its whole conversation, and whether sessions come back
-is what the output-end share says; from a prompt tail of a conversation that has ended, an
-uncapped reach would keep it over everything (measured in eval/RESULTS.md, issue 18).
+out where branches are rare. The look-back is capped (`WORTH_REACH`) except from the anchors
+a next turn goes on from: from an output end without a cap (a session's next turn goes on from
+its whole conversation, and whether it comes back is what the share says), from a prompt tail
+up to `TAIL_REACH`. For a prompt tail the share is learned per depth band (`depth_band`): on
+agentic traffic a long prompt is often a tool loop whose next turn comes within seconds, a
+short one a conversation's last turn, and one share for both ranked them alike; an uncapped
+reach from tails kept the tails of ended conversations over everything (measured in
+eval/RESULTS.md, issue 18).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import PASSED_KINDS, SPECULATIVE_KINDS, Anchor, AnchorDecision, AnchorKind
@@ -50,8 +55,16 @@ from vllm_mimo.block_manager.prefix_tree import Node
 
 WORTH_REACH = 64
 """Positions `AnchorPlacement.worth` looks back for the anchor above, from any anchor but an
-output end; it also bounds the walk per call. 64 (1,024 tokens at 16-token blocks) was measured
-against 128 and 256: eval/RESULTS.md, issue 18."""
+output end or a prompt tail. 64 (1,024 tokens at 16-token blocks) was measured against 128 and
+256: eval/RESULTS.md, issue 18."""
+
+TAIL_REACH = 160
+"""Positions `AnchorPlacement.worth` looks back from a prompt tail (not an output end too).
+160 was measured against 64, 256 and no cap: eval/RESULTS.md, issue 18."""
+
+BAND_PRIOR = 8.0
+"""A prompt tail's share per depth band starts from its kind's share, as this many observations
+(measured against 2 and 32: eval/RESULTS.md, issue 18)."""
 
 USEFUL_SHARE = 0.25
 """Below this share of anchors that served a hit (or would have: see the module docstring), a
@@ -59,6 +72,12 @@ new speculative anchor of a kind starts demoted."""
 
 
 _NONE: tuple[AnchorDecision, ...] = ()
+
+
+def depth_band(depth: int) -> int:
+    """The depth band of a node at `depth` (0 for the first position): positions up to it
+    within a factor of the square root of 2."""
+    return int(2 * math.log2(depth + 1))
 
 
 class AnchorHintError(ValueError):
@@ -117,6 +136,9 @@ class AnchorPlacement(AnchorPolicy):
         self.only_where = only_where
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
+        # Prompt tails placed and served per depth band.
+        self._tails_created: Counter[int] = Counter()
+        self._tails_served: Counter[int] = Counter()
         # Node key of a speculative anchor evicted before it served -> its kinds.
         self._ghosts: OrderedDict[Any, frozenset[AnchorKind]] = OrderedDict()
         # Per running request: anchors due when caching reaches these position counts.
@@ -124,10 +146,20 @@ class AnchorPlacement(AnchorPolicy):
 
     # ------------------------------------------------------------- learning
 
-    def usefulness(self, kind: AnchorKind) -> float:
+    def usefulness(self, kind: AnchorKind, depth: int | None = None) -> float:
         """Share of this kind's anchors that served a hit so far, or would have had they not
-        been evicted (1/2 before any evidence)."""
-        return (self.served[kind] + 1) / (self.created[kind] + 2)
+        been evicted (1/2 before any evidence); for a prompt tail at `depth`, the share of those
+        in its `depth_band`, starting from the kind's (`BAND_PRIOR`)."""
+        share = (self.served[kind] + 1) / (self.created[kind] + 2)
+        if depth is None or kind is not AnchorKind.PROMPT_TAIL:
+            return share
+        band = depth_band(depth)
+        return (self._tails_served[band] + BAND_PRIOR * share) / (self._tails_created[band] + BAND_PRIOR)
+
+    def _count_served(self, kinds: Iterable[AnchorKind], depth: int) -> None:
+        self.served.update(kinds)
+        if AnchorKind.PROMPT_TAIL in kinds:
+            self._tails_served[depth_band(depth)] += 1
 
     def starts_demoted(self, kind: AnchorKind) -> bool:
         return kind in SPECULATIVE_KINDS and self.usefulness(kind) < USEFUL_SHARE
@@ -135,10 +167,14 @@ class AnchorPlacement(AnchorPolicy):
     def worth(self, anchor: Anchor) -> float:
         """Hit tokens per block kept (see the module docstring): a speculative kind's
         `usefulness`, the others 1, times the tokens between the live (not demoted) anchor
-        above (looking back at most `WORTH_REACH` positions, but from an output end without a
-        cap) and this one, per block of window and Full KV there."""
-        share = max(self.usefulness(kind) if kind in SPECULATIVE_KINDS else 1.0 for kind in anchor.kinds)
-        reach = anchor.node.depth + 1 if AnchorKind.OUTPUT_END in anchor.kinds else WORTH_REACH
+        above (looking back at most `WORTH_REACH` positions, `TAIL_REACH` from a prompt tail,
+        without a cap from an output end) and this one, per block of window and Full KV there."""
+        depth = anchor.node.depth
+        share = max(self.usefulness(kind, depth) if kind in SPECULATIVE_KINDS else 1.0 for kind in anchor.kinds)
+        if AnchorKind.OUTPUT_END in anchor.kinds:
+            reach = depth + 1
+        else:
+            reach = TAIL_REACH if AnchorKind.PROMPT_TAIL in anchor.kinds else WORTH_REACH
         node, gain = anchor.node, 0
         while gain < reach:
             node = node.parent
@@ -149,6 +185,8 @@ class AnchorPlacement(AnchorPolicy):
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         self.created[kind] += 1
+        if kind is AnchorKind.PROMPT_TAIL:
+            self._tails_created[depth_band(anchor.node.depth)] += 1
 
     def anchor_evicted(self, anchor: Anchor, cause: EvictionCause) -> None:
         kinds = anchor.kinds & SPECULATIVE_KINDS
@@ -165,7 +203,7 @@ class AnchorPlacement(AnchorPolicy):
         for pos in range(min(end, len(keys)) - 1, start - 1, -1):
             kinds = self._ghosts.pop(keys[pos], None)
             if kinds is not None:
-                self.served.update(kinds)
+                self._count_served(kinds, pos)
                 return
 
     # ------------------------------------------------------------ decisions
@@ -211,7 +249,7 @@ class AnchorPlacement(AnchorPolicy):
 
     def on_hit(self, anchor: Anchor, goes_on: bool) -> Sequence[AnchorDecision]:
         if not anchor.served:
-            self.served.update(anchor.kinds)
+            self._count_served(anchor.kinds, anchor.node.depth)
         if goes_on and anchor.kinds <= PASSED_KINDS:
             return (AnchorDecision(anchor.node, demote=True),)
         return _NONE
