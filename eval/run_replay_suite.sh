@@ -9,13 +9,14 @@
 #       storing SWA tails whole, vLLM's own OffloadingConnector; and swa-free at device + host
 #       bytes (5x), the reference. Files eval/results/host-<workload>[-open-loop].{json,txt}
 #   ONLY="mixed agent-sessions" eval/run_replay_suite.sh ...   those workloads only
+#   PLOT=0 eval/run_replay_suite.sh ...   no plots (they need matplotlib: pip install 'vllm-mimo[eval]')
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # vLLM's block hashes and the OffloadingConnector's order follow Python's hash seed: fix it.
 export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 OUT=eval/results
-EXTRA=() SUFFIX= HOST= ONLY=${ONLY:-}
+EXTRA=() SUFFIX= HOST= ONLY=${ONLY:-} PLOT=${PLOT:-1}
 for arg in "$@"; do
   case "$arg" in
     --open-loop) EXTRA=(--open-loop) SUFFIX=-open-loop ;;
@@ -23,14 +24,20 @@ for arg in "$@"; do
     *) echo "usage: $0 [--open-loop] [--host]" >&2; exit 2 ;;
   esac
 done
+case "$PLOT" in 0|1) ;; *) echo "$0: PLOT must be 0 or 1, got '$PLOT'" >&2; exit 2 ;; esac
+if [ -z "$HOST" ] && [ "$PLOT" = 1 ] && ! "$PY" -c 'import matplotlib' 2>/dev/null; then
+  echo "$0: the plots need matplotlib, which $PY lacks: pip install 'vllm-mimo[eval]', or PLOT=0 for no plots" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 run() {  # name, source args..., -- budgets...
   if [ -n "$ONLY" ] && [[ " $ONLY " != *" $1 "* ]]; then return 0; fi
   local name=$1$SUFFIX; shift
   local src=(); while [ "$1" != "--" ]; do src+=("$1"); shift; done; shift
   if [ -z "$HOST" ]; then
+    local plot=(); [ "$PLOT" = 1 ] && plot=(--plot "$OUT/replay-$name.png")
     "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
-      --json "$OUT/replay-$name.json" --plot "$OUT/replay-$name.png" | tee "$OUT/replay-$name.txt"
+      --json "$OUT/replay-$name.json" "${plot[@]}" | tee "$OUT/replay-$name.txt"
     return
   fi
   local five=(); for g in "$@"; do five+=("$(awk "BEGIN{print 5*$g}")"); done
