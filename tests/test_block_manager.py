@@ -353,7 +353,6 @@ def test_a_prompt_tail_looks_back_further_and_is_worth_what_tails_of_its_length_
     assert placement.worth(long_tail) > 2 * placement.worth(short_tail)
 
 
-
 def test_a_demoted_shared_anchor_that_serves_again_is_held_while_its_node_is():
     """A prompt tail demoted while a request ran through it, then hit by the next request: no
     longer demoted, and in use while that request holds its node (found by the stateful test)."""
