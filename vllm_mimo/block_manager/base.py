@@ -126,7 +126,8 @@ class CacheObserver:
         """An anchor is being evicted (its window still attached)."""
 
     def blocks_evicted(self, pool: Pool, count: int) -> None:
-        """Cached blocks of `pool` were freed: a Full leaf, or an anchor's window."""
+        """Cached blocks of `pool` were freed: the Full leaves one eviction took, or an
+        anchor's window."""
 
 
 class Observers:

@@ -329,8 +329,11 @@ class HybridKVCache(KVCache):
             # adopts and, unless `evict_held`, the windows held shared anchors keep (admitting
             # the request may hold more).
             tree = self.tree
-            evictable = (tree.unreferenced_full - adopted_full) * n_full + (tree.retained_swa - adopted_swa) * n_swa
-            if not evict_held:
+            evictable_full = (tree.unreferenced_full - adopted_full) * n_full
+            evictable = evictable_full + (tree.retained_swa - adopted_swa) * n_swa
+            # Held windows are part of the retained SWA: count them only when the Full KV
+            # alone would not cover the request (the count walks every held anchor).
+            if not evict_held and need > free + evictable_full:
                 evictable -= self.anchors.held_window_nodes(match.path, hit, window) * n_swa
             if need > free + evictable:
                 return None
@@ -356,16 +359,19 @@ class HybridKVCache(KVCache):
             if anchor is not None:
                 self.anchors.record_hit(anchor)
             self.anchors.apply(decisions)
-        if need_full + need_swa > free and not self.evict(need_full + need_swa, EvictionCause(need_full, need_swa), evict_held):
-            raise AssertionError("allocation plan and pools disagree")
-        new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
-        full = [tuple(new_full[p * n_full : (p + 1) * n_full]) for p in range(full_positions)]
-        kept = [*loaded, *sorted(windows), *range(tail, end)]
-        swa: list[Blocks | None] = [None] * swa_positions
-        for i, pos in enumerate(kept):
-            swa[pos - have_swa] = tuple(new_swa[i * n_swa : (i + 1) * n_swa])
-        state.full.extend(full)
-        state.swa.extend(swa)
+        full: list[Blocks] = []
+        swa: list[Blocks | None] = []
+        if full_positions or swa_positions:  # most decode steps add no position
+            if need_full + need_swa > free and not self.evict(need_full + need_swa, EvictionCause(need_full, need_swa), evict_held):
+                raise AssertionError("allocation plan and pools disagree")
+            new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
+            # zip over one iterator n times: consecutive ids in tuples of n, one per position.
+            full = list(zip(*[iter(new_full)] * n_full))
+            swa = [None] * swa_positions
+            for pos, ids in zip((*loaded, *sorted(windows), *range(tail, end)), zip(*[iter(new_swa)] * n_swa)):
+                swa[pos - have_swa] = ids
+            state.full.extend(full)
+            state.swa.extend(swa)
         if host_path is not None:
             self._plan_load(request, host_path, hit, have_full, load_end, full, swa, held)
             # The request reads the window before the load's end next: the hit's older SWA goes.
@@ -381,7 +387,8 @@ class HybridKVCache(KVCache):
                 admitted(request, hit_tokens + external_tokens, state.nodes)
             self.anchors.apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens + external_tokens))
         if self._observers.allocated:
-            live = sum(1 for ids in state.swa[state.swa_start :] if ids is not None) - len(windows)
+            in_window = state.swa[state.swa_start :]
+            live = len(in_window) - in_window.count(None) - len(windows)
             for allocated in self._observers.allocated:
                 allocated(request, live * n_swa, len(windows) * n_swa)
         if cache and self.enable_caching:
@@ -538,7 +545,7 @@ class HybridKVCache(KVCache):
             return False
         for anchor in list(self.anchors):
             self._drop_anchor(anchor)
-        while self._evict_full_leaf():
+        while self._evict_full_leaves(len(self.tree.nodes)):
             pass
         if self.host is not None:
             self.host.clear()
@@ -551,14 +558,18 @@ class HybridKVCache(KVCache):
     # ----------------------------------------------------------------- eviction
 
     def evict(self, num_blocks: int, cause: EvictionCause, evict_held: bool = False) -> bool:
-        pools = self.pools
-        while pools.num_free_total() < num_blocks:
-            if self._evict_full_leaf():
+        pools, n_full = self.pools, self._n_full
+        short = num_blocks - pools.num_free_total()
+        while short > 0:
+            leaves = self._evict_full_leaves(cdiv(short, n_full))
+            if leaves:
+                short -= leaves * n_full
                 continue
             anchor = self.anchors.victim(include_held=evict_held)
             if anchor is None:
                 return False
             self._evict_anchor(anchor, cause)
+            short = num_blocks - pools.num_free_total()
         return True
 
     def _enforce_anchor_budget(self) -> None:
@@ -568,14 +579,15 @@ class HybridKVCache(KVCache):
                 return
             self._evict_anchor(anchor, ANCHOR_BUDGET)
 
-    def _evict_full_leaf(self) -> bool:
-        blocks = self.tree.evict_full()
-        if blocks is None:
-            return False
-        self.pools.give_back(blocks)
-        for evicted in self._observers.blocks_evicted:
-            evicted(Pool.FULL, self._n_full)
-        return True
+    def _evict_full_leaves(self, positions: int) -> int:
+        """Evict the Full KV of up to `positions` Full leaves (`PrefixTree.evict_full`); returns
+        how many."""
+        dropped = self.tree.evict_full(positions)
+        if dropped:
+            self.pools.give_back([block_id for ids in dropped for block_id in ids])
+            for evicted in self._observers.blocks_evicted:
+                evicted(Pool.FULL, len(dropped) * self._n_full)
+        return len(dropped)
 
     def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
         for evicted in self._observers.anchor_evicted:

@@ -369,17 +369,20 @@ class PrefixTree:
                 return node
         return None
 
-    def evict_full(self) -> Blocks | None:
-        """Drop the Full KV of the least recently used unreferenced, unanchored Full leaf;
-        returns its blocks (the caller's to free), or None if there is no such leaf."""
-        node = self.pop_full_victim()
-        if node is None:
-            return None
-        blocks = node.full_blocks
-        self.unreferenced_full -= 1
-        self.set_full(node, None)
-        self.prune(node)
-        return blocks
+    def evict_full(self, positions: int = 1) -> list[Blocks]:
+        """Drop the Full KV of the least recently used unreferenced, unanchored Full leaf, up
+        to `positions` times (a leaf's parent may be the next); returns the blocks dropped (the
+        caller's to free), fewer positions' if no such leaf is left."""
+        dropped: list[Blocks] = []
+        while len(dropped) < positions:
+            node = self.pop_full_victim()
+            if node is None:
+                break
+            dropped.append(node.full_blocks)  # type: ignore[arg-type]
+            self.unreferenced_full -= 1
+            self.set_full(node, None)
+            self.prune(node)
+        return dropped
 
     def prune(self, node: Node) -> None:
         """Remove `node` and then its ancestors while they hold nothing and have no children."""
