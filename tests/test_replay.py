@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity
+from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity, replay_us
 from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
 from vllm_mimo.block_manager.anchors import AnchorKind
 from vllm_mimo.block_manager.base import CacheObserver
@@ -356,3 +356,36 @@ def test_host_tier_engines_extend_hits_from_host_memory(tmp_path, capsys):
         with pytest.raises(SystemExit):
             replay.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "1", *bad])
         assert message in capsys.readouterr().err
+
+
+def test_manager_time_of_two_revisions_at_once_on_one_cpu(tmp_path, capsys):
+    """HEAD exported by git against the working tree, both pinned to one CPU: µs per call of
+    each, its ratio to the first, and which have the same counts, per budget."""
+    out = tmp_path / "us.json"
+    args = ["--workload", "shared-system-prompt", "--layout", "mimo-v2.5-pro", "--max-requests", "12", "--kv-gib", "2"]
+    assert replay_us.main(["--rev", "HEAD", "--rev", ".", "--json", str(out), "--", *args]) == 0
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["revisions"]] == ["HEAD", "."] and data["gc"] is True
+    (point,) = data["points"]
+    assert point["engine"] == "mimo" and point["kv_gib"] == 2
+    assert point["ratio_to_first"]["HEAD"] == 1.0 and point["ratio_to_first"]["."] > 0
+    assert point["us_per_call"]["."] > 0 and point["hit_tokens"]["HEAD"] > 0
+    assert point["same_counts"] in ([["HEAD", "."]], [])  # the same unless the tree changed the policy
+    assert "| mimo | 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rev", "HEAD", "--", "--workload", "mixed"], "give two revisions or more to compare, got 1"),
+        (["--rev", "HEAD", "--rev", "HEAD", "--", "--workload", "mixed"], "give each revision once, got HEAD HEAD"),
+        (["--rev", "no-such-rev", "--rev", ".", "--", "--workload", "mixed"], "--rev 'no-such-rev' is not a commit"),
+        (["--rev", "HEAD", "--rev", ".", "--cpu", "4096", "--", "--workload", "mixed"], "--cpu must be one of"),
+        (["--rev", "HEAD", "--rev", "."], "give the replay's arguments after `--`"),
+        (["--rev", "HEAD", "--rev", ".", "--", "--workload", "mixed", "--engines", "mimo"], "are set by this tool"),
+    ],
+)
+def test_manager_time_tool_rejects_bad_input(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        replay_us.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

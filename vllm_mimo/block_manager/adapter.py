@@ -278,9 +278,10 @@ class HybridKVCacheManager:
         kv, null = self._kv_blocks, self.null_block
         if stop == start + 1:
             return [null if ids is None else kv[ids[start]] for ids in positions]
+        nulls = [null] * (stop - start)
         blocks: list[KVCacheBlock] = []
         for ids in positions:
-            blocks.extend([null] * (stop - start) if ids is None else [kv[i] for i in ids[start:stop]])
+            blocks += nulls if ids is None else [kv[i] for i in ids[start:stop]]
         return blocks
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

@@ -27,7 +27,7 @@ device (`_window_on_device`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet, AnchorState
@@ -255,6 +255,15 @@ class HybridKVCache(KVCache):
         total_computed = min(request.num_computed_tokens + hit_tokens + external_tokens, self.max_model_len)
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         bs, n_full, n_swa, window = self.block_size, self._n_full, self._n_swa, self.window_blocks
+        if (
+            state is not None
+            and cdiv(num_slots, bs) <= min(len(state.full), len(state.swa))
+            and not (hit_tokens or external_tokens or headroom or whole_request)
+        ):
+            # A step within the positions the request holds (most decode steps): what the
+            # planning below comes to when it adds nothing.
+            self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
+            return self._allocated(request, state, 0, (), num_lookahead_tokens, total_computed + num_new_tokens, cache)
 
         hit = hit_tokens // bs
         load_end = hit + external_tokens // bs  # a host extension: positions hit..load_end
@@ -359,42 +368,55 @@ class HybridKVCache(KVCache):
             if anchor is not None:
                 self.anchors.record_hit(anchor)
             self.anchors.apply(decisions)
-        full: list[Blocks] = []
-        swa: list[Blocks | None] = []
-        if full_positions or swa_positions:  # most decode steps add no position
-            if need_full + need_swa > free and not self.evict(need_full + need_swa, EvictionCause(need_full, need_swa), evict_held):
-                raise AssertionError("allocation plan and pools disagree")
-            new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
-            # zip over one iterator n times: consecutive ids in tuples of n, one per position.
-            full = list(zip(*[iter(new_full)] * n_full))
-            swa = [None] * swa_positions
-            for pos, ids in zip((*loaded, *sorted(windows), *range(tail, end)), zip(*[iter(new_swa)] * n_swa)):
-                swa[pos - have_swa] = ids
-            state.full.extend(full)
-            state.swa.extend(swa)
+        if need_full + need_swa > free and not self.evict(need_full + need_swa, EvictionCause(need_full, need_swa), evict_held):
+            raise AssertionError("allocation plan and pools disagree")
+        new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
+        # zip over one iterator n times: consecutive ids in tuples of n, one per position.
+        full: list[Blocks] = list(zip(*[iter(new_full)] * n_full))
+        swa: list[Blocks | None] = [None] * swa_positions
+        for pos, ids in zip((*loaded, *sorted(windows), *range(tail, end)), zip(*[iter(new_swa)] * n_swa)):
+            swa[pos - have_swa] = ids
+        state.full.extend(full)
+        state.swa.extend(swa)
         if host_path is not None:
             self._plan_load(request, host_path, hit, have_full, load_end, full, swa, held)
             # The request reads the window before the load's end next: the hit's older SWA goes.
             if load_end - window > state.swa_start:
                 self._release_swa(state, load_end - window)
                 state.swa_start = load_end - window
-        state.step_blocks = kept_positions
-        state.lookahead_blocks = cdiv(num_lookahead_tokens, bs) + 1 if num_lookahead_tokens else 0
-
         if admitting:
             self._requests[request.request_id] = state
             for admitted in self._observers.admitted:
                 admitted(request, hit_tokens + external_tokens, state.nodes)
             self.anchors.apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens + external_tokens))
+        return self._allocated(request, state, kept_positions, windows, num_lookahead_tokens, total_computed + num_new_tokens, cache, full, swa)
+
+    def _allocated(
+        self,
+        request: Any,
+        state: RequestBlocks,
+        step_blocks: int,
+        windows: Collection[int],
+        num_lookahead_tokens: int,
+        num_tokens: int,
+        cache: bool,
+        full: list[Blocks] | None = None,
+        swa: list[Blocks | None] | None = None,
+    ) -> NewBlocks:
+        """An allocation's end: the request's step size recorded, observers told, its first
+        `num_tokens` cached (if `cache`), the anchor budget enforced; `full` / `swa` are the
+        positions it added."""
+        state.step_blocks = step_blocks
+        state.lookahead_blocks = cdiv(num_lookahead_tokens, self.block_size) + 1 if num_lookahead_tokens else 0
         if self._observers.allocated:
             in_window = state.swa[state.swa_start :]
             live = len(in_window) - in_window.count(None) - len(windows)
             for allocated in self._observers.allocated:
-                allocated(request, live * n_swa, len(windows) * n_swa)
+                allocated(request, live * self._n_swa, len(windows) * self._n_swa)
         if cache and self.enable_caching:
-            self._cache(request, state, min(total_computed + num_new_tokens, request.num_tokens))
+            self._cache(request, state, min(num_tokens, request.num_tokens))
         self._enforce_anchor_budget()
-        return NewBlocks(full, swa)
+        return NewBlocks(full or [], swa or [])
 
     def _load_sources(self, path: list[Node], hit: int, have_full: int, load_end: int) -> list[Node]:
         """The nodes whose host copies a host extension reads: Full past what the request adopts
