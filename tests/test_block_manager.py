@@ -107,6 +107,23 @@ def test_full_eviction_takes_unanchored_leaves_first_least_recently_used():
     assert order == ["a2", "a1", "a0", "b2"]  # b1 and b0 go with their anchor
 
 
+def test_full_eviction_of_several_positions_takes_them_in_the_same_order_in_one_call():
+    tree = PrefixTree()
+    a = _chain(tree, 3, prefix="a", swa=set())
+    b = _chain(tree, 2, prefix="b", swa=set())
+    for node, access in zip(a + b, (5, 5, 5, 1, 1)):
+        node.last_access = access
+        tree.offer_full_victim(node)
+    tree.unreferenced_full = 5
+    # b1 first (least recently used), then its parent b0, which it leaves a leaf; then a2.
+    # (Each chain's blocks are 100, 101, ... by depth.)
+    assert tree.evict_full(3) == [(101,), (100,), (102,)]
+    assert set(tree.nodes) == {"a0", "a1"} and tree.unreferenced_full == 2
+    assert tree.evict_full(5) == [(101,), (100,)]  # fewer than asked: nothing else to evict
+    assert tree.evict_full() == [] and tree.nodes == {}
+    tree.check_integrity()
+
+
 def test_prune_removes_empty_leaves_up_the_path():
     tree = PrefixTree()
     nodes = _chain(tree, 3, swa=set())
