@@ -59,12 +59,10 @@ def resolve(name: str) -> Revision:
         raise ValueError(f"--rev {name!r} is not a commit of {ROOT} (a git revision, or '.' for the working tree)") from None
 
 
-def export(revision: Revision, into: Path) -> Path:
-    """The revision's files in a folder of their own under `into` (the working tree itself for
-    `.`)."""
+def export(revision: Revision, folder: Path) -> Path:
+    """The revision's files in `folder`, a new one (the working tree itself for `.`)."""
     if revision.name == ".":
         return ROOT
-    folder = into / f"rev-{len(list(into.glob('rev-*')))}"
     folder.mkdir()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision.commit], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
@@ -169,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="replay-us-") as tmp:
         tmp_path = Path(tmp)
-        folders = [export(rev, tmp_path) for rev in revisions]
+        folders = [export(rev, tmp_path / f"rev-{i}") for i, rev in enumerate(revisions)]
         print(f"replaying {', '.join(r.name for r in revisions)} at once on CPU {args.cpu} "
               f"(eval.replay {' '.join(replay_args)}; collector {'off' if args.no_gc else 'on'}) ...", flush=True)
         start = time.monotonic()
