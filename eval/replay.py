@@ -91,7 +91,8 @@ class SimParams:
     step_prefill_floor: int = MimoConfig().step_prefill_floor_tokens
     """The plugin scheduler's `step_prefill_floor_tokens` (0: its steps are never cut)."""
     prefill_chunk: int = MimoConfig().prefill_chunk_tokens
-    """The plugin's `prefill_chunk_tokens`: its cap on one request's chunk per step (0: none)."""
+    """The plugin's `prefill_chunk_tokens`: its cap on one request's chunk per step while memory is
+    short (0: none; `StepBudget.chunk_cap`)."""
     host_gib: float | None = None
     """Host memory of the host-tier engines (None: 4 x the device budget)."""
     host_gbps: float = 25.0
@@ -295,9 +296,6 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     known: set[str] = set()
     step_ids: dict[str, tuple] = {}
     preempted_ids: set[str] = set()
-    # The plugin also sets vLLM's per-request prefill chunk cap (MimoConfig.prefill_chunk_tokens,
-    # vLLM's long_prefill_token_threshold), which vLLM ignores when one request is alone.
-    plugin_chunk_cap = params.prefill_chunk if engine in PLUGIN_ENGINES else 0
     call = _Timed(manager)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(hash_block_size, sha256)
@@ -307,8 +305,13 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     block_bytes = page_bytes(manager.kv_cache_config)
     # Pages a position's Full / SWA copy takes (host pages have a device block's bytes).
     position_pages = (manager.geometry.full_ids_per_position, manager.geometry.swa_ids_per_position) if host else (0, 0)
-    # As the plugin's scheduler cuts its steps when memory is short (upstream's are never cut).
-    step_budget = StepBudget(manager.cache, params.step_prefill_floor) if is_mimo and params.step_prefill_floor else None
+    # As the plugin's scheduler cuts its steps and caps prefill chunks (MimoConfig.prefill_chunk_tokens,
+    # vLLM's long_prefill_token_threshold) when memory is short; upstream's do neither.
+    step_budget = (
+        StepBudget(manager.cache, params.step_prefill_floor, params.prefill_chunk)
+        if is_mimo and (params.step_prefill_floor or params.prefill_chunk)
+        else None
+    )
     peak: dict[str, int] = {}
 
     # Requests not yet sent, by send time; a next turn joins when its previous turn finishes.
@@ -377,9 +380,11 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         budget = params.token_budget
         loaded_bytes = 0  # from the host tier, this step
         host_loaded: list[str] = []  # requests whose load from the plugin's host tier ran this step
-        chunk_cap = plugin_chunk_cap if len(running) + len(waiting) > 1 else 0
         full_budget = budget
+        chunk_cap = 0  # vLLM applies it only when another request runs or waits
         if step_budget is not None:
+            if len(running) + len(waiting) > 1:
+                chunk_cap = call.uncounted(step_budget.chunk_cap, budget)
             budget = call.uncounted(step_budget.token_limit, running, budget)
         limit = budget
         scheduled: dict[str, int] = {}
@@ -748,8 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefill-chunk", type=int, default=SimParams.prefill_chunk, metavar="TOKENS",
         help="the plugin's prefill_chunk_tokens: its cap on one request's prefill chunk per step "
-        f"when others wait or run (default: {SimParams.prefill_chunk}, the plugin's; 0: none; "
-        "upstream engines have none)",
+        "when others wait or run and the free KV blocks cannot take a whole step's prefill "
+        f"(default: {SimParams.prefill_chunk}, the plugin's; 0: none; upstream engines have none)",
     )
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")

@@ -102,10 +102,11 @@ class MimoConfig:
     prefill_chunk_tokens: int = field(
         default=2048,
         metadata=_key(
-            "Cap on one request's prefill chunk per step (vLLM's long_prefill_token_threshold, "
-            "set only if you did not set it). With swa_attention stock, every chunk token needs "
-            "SWA blocks for that step, so smaller chunks leave that memory to the prefix cache; "
-            "window-local attention needs none. 0 keeps vLLM's setting.",
+            "Cap on one request's prefill chunk per step while the free KV blocks cannot take a "
+            "whole step's prefill (vLLM's long_prefill_token_threshold, used only if you did not "
+            "set that; yours holds at every step). Smaller chunks leave memory to the prefix "
+            "cache when allocating means evicting; while blocks are free the cap is lifted, so a "
+            "prompt prefills in fewer steps. 0 keeps vLLM's setting.",
             min=0,
             max=1_048_576,
         ),

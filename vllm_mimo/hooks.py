@@ -144,8 +144,6 @@ def configure(vllm_config: Any) -> None:
     scheduler_config.scheduler_cls = (
         ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
     )
-    if config.prefill_chunk_tokens and not scheduler_config.long_prefill_token_threshold:
-        scheduler_config.long_prefill_token_threshold = config.prefill_chunk_tokens
     from vllm_mimo.engine import chat_anchors
 
     chat_anchors.install(system_anchor=config.system_prompt_anchor)

@@ -48,6 +48,12 @@ class _MimoSchedulerMixin:
         super().__init__(*args, **kwargs)
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         self.mimo_config = MimoConfig.from_vllm_config(vllm_config)
+        scheduler_config = vllm_config.scheduler_config
+        # prefill_chunk_tokens is vLLM's long_prefill_token_threshold unless the user set that;
+        # with the plugin's manager below, it holds only while memory is short (`step_budget`).
+        chunk_tokens = 0 if scheduler_config.long_prefill_token_threshold else self.mimo_config.prefill_chunk_tokens
+        if chunk_tokens:
+            scheduler_config.long_prefill_token_threshold = chunk_tokens
         declared = layout_from_hf_config(vllm_config.model_config.hf_config)
         self.mimo_layout = layout_from_kv_cache_groups(
             self.kv_cache_config.kv_cache_groups,  # type: ignore[attr-defined]
@@ -63,7 +69,7 @@ class _MimoSchedulerMixin:
             return
         if vllm_config.speculative_config is not None:
             self.mimo_acceptance = AcceptanceByBucket(vllm_config.speculative_config.num_speculative_tokens)
-        self._install_manager()
+        self._install_manager(chunk_tokens)
         logger.info(
             "vllm-mimo: hybrid SWA model %s: %s; %d KV cache groups; features on: %s",
             model,
@@ -105,7 +111,8 @@ class _MimoSchedulerMixin:
             features.append("acceptance-by-bucket")
         return features
 
-    def _install_manager(self) -> None:
+    def _install_manager(self, chunk_tokens: int) -> None:
+        """`chunk_tokens`: the plugin's prefill chunk cap (0: none, or the user's own)."""
         connector = self.connector  # type: ignore[attr-defined]
         host_pages = 0
         if isinstance(connector, MimoHostTierConnector):
@@ -150,15 +157,17 @@ class _MimoSchedulerMixin:
                 "none; consumers of BlockStored/BlockRemoved events see nothing from this engine"
             )
         floor = self.mimo_config.step_prefill_floor_tokens
-        if floor and isinstance(getattr(self, "max_num_scheduled_tokens", None), int):
-            self.mimo_step_budget = StepBudget(self.mimo_manager.cache, floor)
-        elif floor:
-            logger.warning(
-                "vllm-mimo: this vLLM's scheduler has no integer max_num_scheduled_tokens, so "
-                "step_prefill_floor_tokens=%d has no effect: steps are not cut when KV memory "
-                "is short",
-                floor,
-            )
+        if not isinstance(getattr(self, "max_num_scheduled_tokens", None), int):
+            if floor or chunk_tokens:
+                logger.warning(
+                    "vllm-mimo: this vLLM's scheduler has no integer max_num_scheduled_tokens, so "
+                    "step_prefill_floor_tokens=%d has no effect (steps are not cut when KV memory "
+                    "is short) and prefill_chunk_tokens=%d holds at every step",
+                    floor,
+                    chunk_tokens,
+                )
+        elif floor or chunk_tokens:
+            self.mimo_step_budget = StepBudget(self.mimo_manager.cache, floor, chunk_tokens)
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
@@ -178,15 +187,21 @@ class _MimoSchedulerMixin:
         step_budget = self.mimo_step_budget
         if step_budget is None:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        # vLLM's scheduler reads one token budget for decodes and prefills, in running order;
-        # lowering it for this step is the one way in without copying its loop.
+        # vLLM's scheduler reads one token budget for decodes and prefills, in running order,
+        # and the chunk cap from its config; setting them for this step is the one way in
+        # without copying its loop.
         budget = self.max_num_scheduled_tokens  # type: ignore[has-type]
         limit = step_budget.token_limit(self.running, budget)  # type: ignore[attr-defined]
+        scheduler_config = self.scheduler_config  # type: ignore[attr-defined]
+        cap = scheduler_config.long_prefill_token_threshold
         self.max_num_scheduled_tokens = limit
+        if step_budget.chunk_tokens:
+            scheduler_config.long_prefill_token_threshold = step_budget.chunk_cap(budget)
         try:
             output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             self.max_num_scheduled_tokens = budget
+            scheduler_config.long_prefill_token_threshold = cap
         step_budget.record(limit, budget, output.total_num_scheduled_tokens)
         return output
 
