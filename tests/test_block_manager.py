@@ -686,6 +686,30 @@ def test_step_prefill_estimate_counts_free_unheld_full_and_demoted_windows_only(
     assert budget.steps_cut == 1
 
 
+def test_chunk_cap_holds_only_while_the_free_lists_cannot_take_a_whole_step():
+    """The plugin's prefill chunk cap is lifted while a step's whole prefill fits in free blocks
+    (no allocation of the step evicts), and holds once it does not; cached blocks do not count."""
+    m = _manager()
+    budget = StepBudget(m.cache, floor_tokens=0, chunk_tokens=64)
+    per_block = m.geometry.full_ids_per_position + m.geometry.swa_ids_per_position
+    free = budget.free_prefill_tokens()
+    assert free == (m.geometry.num_blocks - 1) * BLOCK // per_block
+    assert budget.chunk_cap(token_budget=free) == 0
+    assert budget.chunk_cap(token_budget=free + 1) == 64
+    assert StepBudget(m.cache, floor_tokens=0).chunk_cap(token_budget=free + 1) == 0  # no cap configured
+    # Finished requests leave their Full blocks cached: no longer free, so the cap comes back
+    # at a budget it was lifted for before, although the step cut would count them as room.
+    for i in range(6):
+        _run(m, make_request(f"c{i}", list(range(20_000 + 1000 * i, 20_000 + 1000 * i + 20 * BLOCK))), output=[5])
+    info = m.cache.size_info()
+    assert info.cached_full > 0 and budget.free_prefill_tokens() == info.free * BLOCK // per_block < free
+    assert budget.chunk_cap(token_budget=free) == 64
+    assert budget.chunk_cap(token_budget=budget.free_prefill_tokens()) == 0
+    # With the cut off (floor 0), the token budget is never cut, however short memory is.
+    assert budget.prefill_tokens() < 10**6
+    assert budget.token_limit([], token_budget=10**6) == 10**6
+
+
 def test_running_request_keeps_only_its_window_of_swa_blocks():
     m = _manager()
     req = make_request("long", list(range(2000, 2000 + 40 * BLOCK)))

@@ -116,6 +116,22 @@ def test_pool_split_that_cannot_hold_one_window_fails_at_startup(tiny_models):
     assert "fewer than one request's window needs" in log
 
 
+def test_the_chunk_cap_is_lifted_while_memory_is_free_and_a_users_threshold_holds(tiny_models, ids):
+    """Two 3,000-token prompts at once in 4,096-token steps on stock SWA attention (a request
+    holds SWA blocks for its whole chunk, so the peak shows the chunk). With the KV memory free
+    the plugin's 2,048-token cap is lifted and the first prompt prefills in one chunk; a
+    long_prefill_token_threshold the user sets holds at every step. The tokens are the same."""
+    prompts = [ids[:3000], ids[3000:6000]]
+    engine = {**FP32, "max_model_len": 8192, "max_num_batched_tokens": 4096,
+              "additional_config": {"mimo": {"swa_attention": "stock"}}}
+    lifted = run_engine(tiny_models["mimo"], [prompts], llm_kwargs=engine, max_tokens=4)
+    users = run_engine(tiny_models["mimo"], [prompts], llm_kwargs={**engine, "long_prefill_token_threshold": 2048}, max_tokens=4)
+    assert lifted.ids() == users.ids()
+    swa_groups = len(users.workers[0]["group_kinds"]) - users.workers[0]["group_kinds"].count("FullAttentionSpec")
+    peak_lifted, peak_users = (r.mimo["peak_swa_blocks_per_request"] for r in (lifted, users))
+    assert peak_lifted >= swa_groups * 3000 // BLOCK > peak_users, (peak_lifted, peak_users, swa_groups)
+
+
 def test_prefix_caching_off(tiny_models, ids, siblings):
     """The manager also runs with vLLM's prefix caching off: no tree, no hits, the same tokens as
     the plugin off with prefix caching on (float32: hits do not change tokens)."""
