@@ -53,7 +53,8 @@ class StepBudget:
     def free_prefill_tokens(self) -> int:
         """The prefill tokens the free lists take, at one position's blocks of every group per
         position of tokens: what a step can prefill without evicting anything."""
-        return self.cache.size_info().free * self.cache.geometry.block_size // self._ids_per_position
+        # size_info().free, without the rest of size_info: this runs every step.
+        return self.cache.pools.num_free_total() * self.cache.geometry.block_size // self._ids_per_position
 
     def chunk_cap(self, token_budget: int) -> int:
         """The cap on one request's prefill chunk this step (0: none): `chunk_tokens` while
@@ -67,7 +68,9 @@ class StepBudget:
         """A step's token budget: the decode tokens of the `running` requests plus
         `prefill_tokens()`, with at least `floor_tokens` for prefill, at most `token_budget`;
         `token_budget` itself when `floor_tokens` is 0."""
-        if not self.floor_tokens:
+        # The free lists are part of prefill_tokens(): when they alone take the budget, the
+        # rest of size_info need not be read (most steps while memory is ample).
+        if not self.floor_tokens or self.free_prefill_tokens() >= token_budget:
             return token_budget
         prefill = max(self.floor_tokens, self.prefill_tokens())
         if prefill >= token_budget:  # memory is ample: no need to walk the running requests
