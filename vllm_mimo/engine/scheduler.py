@@ -3,9 +3,10 @@
 vLLM builds its KV cache manager inside `Scheduler.__init__` and offers no factory, so the
 plugin owns the scheduler class (installed through `SchedulerConfig.scheduler_cls`, see
 `vllm_mimo.hooks`) and swaps in `HybridKVCacheManager` once vLLM's own setup is done. Around
-vLLM's scheduling it adds the step cut (`step_budget`), the pinned prompts (`pinning`) and the
-metrics snapshot (`publisher`). This is also the one place, in the engine process, where the
-model's KV cache groups are known: the plugin's startup lines and warnings are logged here.
+vLLM's scheduling it adds the step cut and the chunk cap (`step_budget`), the pinned prompts
+(`pinning`) and the metrics snapshot (`publisher`). This is also the one place, in the engine
+process, where the model's KV cache groups are known: the plugin's startup lines and warnings
+are logged here.
 """
 
 from __future__ import annotations
