@@ -100,6 +100,19 @@ class SimParams:
 
 
 @dataclass
+class FirstToken:
+    """One request's way to its first token in a replay (its first admission; simulated seconds)."""
+
+    arrival_s: float
+    """When it was sent."""
+    admitted_s: float
+    """The start of the step that first admitted it: the wait before is queueing and the step
+    grid (a request sent during a step waits for the next one)."""
+    hit_tokens: int
+    ttft_s: float = 0.0
+
+
+@dataclass
 class RunResult:
     engine: str
     kv_gib: float
@@ -139,6 +152,8 @@ class RunResult:
     host_swa_tokens_per_anchor: float = 0.0
     """The plugin's host tiers: SWA KV stored per anchor demoted to host, in tokens of every SWA
     layer (mask-only: at most the window)."""
+    first_tokens: dict[str, FirstToken] = field(default_factory=dict)
+    """Per request id (`eval.replay_ttft` reads them; not in `as_dict`)."""
 
     @property
     def bytes_loaded_per_restored_token(self) -> float:
@@ -154,6 +169,7 @@ class RunResult:
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        del out["first_tokens"]
         out["hit_ratio"] = self.hit_ratio
         out["fraction_of_ideal"] = self.fraction_of_ideal
         out["bytes_loaded_per_restored_token"] = self.bytes_loaded_per_restored_token
@@ -326,7 +342,6 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     running: list = []
     outputs: dict[str, list[int]] = {}
     in_prefill: dict[str, bool] = {}
-    ttft: dict[str, float] = {}  # simulated seconds from arrival to the end of the prefill
     now, wall0, last_report = 0.0, time.perf_counter(), 0.0
     finished = 0
 
@@ -461,6 +476,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                     manager.cache.finish_load(plan)
                     host_loaded.append(req.request_id)
                 if req.num_preemptions == 0:
+                    result.first_tokens[req.request_id] = FirstToken(req.arrival_time, now, hit + external)
                     result.prompt_tokens += req.num_prompt_tokens
                     result.hit_tokens += hit + external
                     result.host_hit_tokens += external
@@ -472,6 +488,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 loading[req.request_id] = req
                 continue
             if req.num_preemptions == 0:
+                result.first_tokens[req.request_id] = FirstToken(req.arrival_time, now, hit)
                 result.prompt_tokens += req.num_prompt_tokens
                 result.hit_tokens += hit
                 result.ideal_hit_tokens += ideal[int(req.request_id)]
@@ -541,7 +558,9 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that did not reach the end
             in_prefill[rid] = False
-            ttft.setdefault(rid, now - req.arrival_time)  # a re-prefill after preemption is not a first token
+            first_token = result.first_tokens[rid]
+            if not first_token.ttft_s:  # a re-prefill after preemption is not a first token
+                first_token.ttft_s = now - first_token.arrival_s
             out = outputs[rid]
             req.append_output_token_ids(out[req.num_output_tokens])
             if req.num_output_tokens >= len(out):
@@ -587,8 +606,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     result.peak_blocks = peak
     result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
     result.sim_seconds = now
-    if ttft:
-        first = sorted(ttft.values())
+    if result.first_tokens:
+        first = sorted(t.ttft_s for t in result.first_tokens.values())
         result.ttft_mean_s = sum(first) / len(first)
         result.ttft_p90_s = first[int(0.9 * (len(first) - 1))]
     result.wall_seconds = time.perf_counter() - wall0

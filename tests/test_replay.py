@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity, replay_us
+from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity, replay_ttft, replay_us
 from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
 from vllm_mimo.block_manager.anchors import AnchorKind
 from vllm_mimo.block_manager.base import CacheObserver
@@ -340,6 +340,39 @@ def test_sensitivity_replays_both_anchor_orders_at_nearby_budgets(tmp_path, caps
                          (["--steps", "0"], "--steps must be >= 1, got 0")):
         with pytest.raises(SystemExit):
             replay_sensitivity.main([*args, "--kv-gib", "1.5", *bad])
+        assert message in capsys.readouterr().err
+
+
+def test_ttft_split_adds_up_to_the_difference_of_the_means(tmp_path, capsys):
+    # The hand-made trace (above): each request runs alone in one step; the plugin hits C's 512
+    # tokens that upstream r0 does not, and nothing else differs.
+    out = tmp_path / "ttft.json"
+    args = ["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro", "--kv-gib", "4", "--quiet"]
+    assert replay_ttft.main([*args, "--engines", "mimo,upstream-r0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    split = data["split"]
+    assert split["A hits more"] == {"requests": 1, "hit_tokens": 512, "wait_s": 0.0,
+                                    "prefill_s": pytest.approx(-512 * 50e-6 / 4), "admitted_later": 0, "admitted_earlier": 0}
+    assert split["A hits fewer"]["requests"] == 0 and split["hit alike"]["requests"] == 3
+    assert split["hit alike"]["wait_s"] == split["hit alike"]["prefill_s"] == 0.0
+    assert "| A hits more | 1 | +512 | -6.4000 |" in capsys.readouterr().out
+    # Under memory pressure, requests hit alike wait differently too; the rows still add up.
+    args = ["--workload", "agent-sessions", "--layout", "mimo-v2.5-pro", "--max-requests", "60", "--kv-gib", "1.5", "--quiet"]
+    assert replay_ttft.main([*args, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    a, b = data["runs"]
+    assert (a["engine"], b["engine"]) == ("mimo", "mimo-stock-attention") and "first_tokens" not in a
+    split = data["split"].values()
+    assert sum(s["requests"] for s in split) == a["requests"] == b["requests"] == 60
+    assert sum(s["hit_tokens"] for s in split) == a["hit_tokens"] - b["hit_tokens"]
+    assert sum(s["wait_s"] + s["prefill_s"] for s in split) == pytest.approx(a["ttft_mean_s"] - b["ttft_mean_s"], abs=1e-12)
+    assert a["hit_tokens"] != b["hit_tokens"]  # the case is not trivial
+    for bad, message in ((["--engines", "mimo"], "--engines must name two different engines"),
+                         (["--engines", "mimo,mimo"], "--engines must name two different engines"),
+                         (["--engines", "mimo,nope"], "--engines must name two different engines"),
+                         (["--kv-gib", "0"], "--kv-gib must be > 0, got 0.0")):
+        with pytest.raises(SystemExit):
+            replay_ttft.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "4", *bad])
         assert message in capsys.readouterr().err
 
 
