@@ -65,6 +65,29 @@ def test_plan_puts_each_requests_window_and_chunk_in_scratch():
     assert plan.copy_src.numel() <= sum(math.ceil((window - 1) / bs) + 1 for _ in q_lens)
 
 
+def test_the_swa_groups_of_a_step_share_its_layout_and_plan_their_own_block_tables():
+    from vllm_mimo.attention_backends.cpu import step_layout
+
+    bs, window, q_lens, seq_lens, table, qsl = _plan_case()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    other_group = torch.flip(table, dims=[1]) + 100  # the same requests, other block ids
+    layout, schedules = step_layout(qsl, lens, window, bs)
+    for group_table in (table, other_group):
+        again, same_schedules = step_layout(qsl.clone(), lens.clone(), window, bs)
+        assert again is layout and same_schedules is schedules
+        shared, own = again.plan(group_table), plan_window_local(qsl, lens, group_table, window, bs)
+        for name in own.__dataclass_fields__:
+            a, b = getattr(shared, name), getattr(own, name)
+            assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, name
+    assert not torch.equal(layout.plan(table).copy_src, layout.plan(other_group).copy_src)
+    # Other lengths, or the same buffer refilled in place for the next step, get their own.
+    assert step_layout(qsl, lens, window + 1, bs)[0] is not layout
+    qsl[1:] += 1
+    lens += 1
+    refilled, _ = step_layout(qsl, lens, window, bs)
+    assert refilled is not layout and int(refilled.token_slots.numel()) == int(qsl[-1])
+
+
 def test_null_block_writes_are_dropped():
     slots = torch.tensor([0, 5, 15, 16, 40, -1])
     assert mask_null_slots(slots, 16).tolist() == [-1, -1, -1, 16, 40, -1]

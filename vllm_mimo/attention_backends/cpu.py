@@ -8,7 +8,8 @@ a step with a prefill (a query longer than one token) attends over the scratch: 
 pre-chunk window copied in, the chunk's keys and values written in from flight, vLLM's own
 kernel run on the scratch block table. So the chunk's keys are never read back from the pool,
 and the pool needs SWA KV only where the manager keeps it; cache writes to the null block are
-dropped (`plan.mask_null_slots`). Full layers, decode-only steps, encoder and cross attention
+dropped (`plan.mask_null_slots`). The groups of a step share its layout and kernel schedule
+(`step_layout`). Full layers, decode-only steps, encoder and cross attention
 run vLLM's code unchanged.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from vllm_mimo import compat
-from vllm_mimo.attention_backends.plan import WindowPlan, mask_null_slots, plan_window_local
+from vllm_mimo.attention_backends.plan import WindowLayout, WindowPlan, mask_null_slots, window_layout
 
 _Backend = compat.CPUAttentionBackend
 _Builder = compat.CPUAttentionMetadataBuilder
@@ -30,6 +31,25 @@ _Metadata = compat.CPUAttentionMetadata
 _scratch: dict[tuple, torch.Tensor] = {}
 """One scratch tensor per cache block shape and dtype, shared by every SWA layer in turn (a
 layer's step is over before the next starts), grown as steps need."""
+
+
+_step: dict[tuple, tuple[torch.Tensor, torch.Tensor, WindowLayout, dict]] = {}
+"""Per (window, block size): the lengths of the latest step built, copied (vLLM refills its
+buffers in place), their layout and the kernel schedules made for it. The SWA groups of a step
+are built one after another from the same lengths; each reuses these and plans only its own
+block table."""
+
+
+def step_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int) -> tuple[WindowLayout, dict]:
+    """`window_layout` of these lengths, and a dict for the kernel schedules made for it: the
+    ones of the group built before when the lengths are the same, else new ones."""
+    last = _step.get((window, block_size))
+    if (last is not None and last[1].dtype == seq_lens.dtype and torch.equal(last[0], query_start_loc)
+            and torch.equal(last[1], seq_lens)):
+        return last[2], last[3]
+    layout = window_layout(query_start_loc, seq_lens, window, block_size)
+    _step[(window, block_size)] = (query_start_loc.clone(), seq_lens.clone(), layout, {})
+    return layout, _step[(window, block_size)][3]
 
 
 def scratch_blocks(like: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -129,23 +149,26 @@ class WindowLocalBuilder(_Builder):  # type: ignore[misc,valid-type]
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if not self.window_local or metadata.max_query_len <= 1 or metadata.dynamic_causal is not None:
             return metadata
-        plan = plan_window_local(
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_table, self.window_size, self.block_size
-        )
-        schedule = compat.custom_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=common_attn_metadata.num_reqs,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            seq_lens=plan.seq_lens,
-            dtype=self.dtype,
-            query_start_loc=metadata.query_start_loc,
-            causal=True,
-            sliding_window_size=self.window_size,
-            isa=self.isa,
-            enable_kv_split=compat.vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
+        layout, schedules = step_layout(metadata.query_start_loc, metadata.seq_lens, self.window_size, self.block_size)
+        plan = layout.plan(metadata.block_table)
+        split_kv = compat.vllm_envs.VLLM_CPU_ATTN_SPLIT_KV
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.isa, split_kv, self.kv_cache_dtype)
+        schedule = schedules.get(shape)
+        if schedule is None:
+            schedule = schedules[shape] = compat.custom_ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=common_attn_metadata.num_reqs,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                seq_lens=plan.seq_lens,
+                dtype=self.dtype,
+                query_start_loc=metadata.query_start_loc,
+                causal=True,
+                sliding_window_size=self.window_size,
+                isa=self.isa,
+                enable_kv_split=split_kv,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
         values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return WindowLocalMetadata(**values, window_plan=plan, window_schedule=schedule)
 

@@ -10,7 +10,9 @@ unchanged); the new tokens' keys and values are written in at `token_slots`. A s
 kernel run over the scratch block table with `seq_lens` shifted by the span's first position
 computes the same attention as over the real cache (causal masks and windows depend only on
 differences of positions). Memory: O(W + chunk) per request for one layer at a time, instead
-of O(chunk) per SWA layer held in the pool.
+of O(chunk) per SWA layer held in the pool. All of it but which cache blocks to copy depends
+on the step's lengths alone (`window_layout`), so the SWA groups of a step share one
+`WindowLayout` and each plans only its own block table (`WindowLayout.plan`).
 
 `plan_split` lays the same step out as two attention calls with no scratch (the FlashInfer
 shape of the CUDA path): the chunk over its own keys in flight, and the cached window read from
@@ -65,16 +67,44 @@ def _step_lengths(
     return qsl, lens, q_lens, lens - q_lens
 
 
-def plan_window_local(
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    window: int,
-    block_size: int,
-) -> WindowPlan:
-    """The plan for requests whose new tokens start at `query_start_loc` (R+1 offsets) and
-    whose key lengths are `seq_lens` (context + new), over their `block_table` rows; `window`
-    is W (a query at position p reads keys p-W+1..p)."""
+@dataclass(frozen=True)
+class WindowLayout:
+    """The part of a step's `WindowPlan` its lengths alone decide: every SWA group of the step
+    with the same window and block size shares it (their block tables differ). M copied blocks.
+
+    copy_rows:    [M] the request (block table row) of each cached block to copy
+    copy_columns: [M] its logical block (block table column)
+    The other fields are `WindowPlan`'s.
+    """
+
+    first_block: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    copy_rows: torch.Tensor
+    copy_columns: torch.Tensor
+    copy_dst: torch.Tensor
+    token_slots: torch.Tensor
+    num_blocks: int
+    block_size: int
+
+    def plan(self, block_table: torch.Tensor) -> WindowPlan:
+        """The plan over one group's `block_table` (its rows the step's requests)."""
+        return WindowPlan(
+            first_block=self.first_block,
+            block_table=self.block_table.to(block_table.dtype),
+            seq_lens=self.seq_lens,
+            copy_src=block_table[self.copy_rows, self.copy_columns].to(torch.int64),
+            copy_dst=self.copy_dst,
+            token_slots=self.token_slots,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
+
+
+def window_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int) -> WindowLayout:
+    """The layout for requests whose new tokens start at `query_start_loc` (R+1 offsets) and
+    whose key lengths are `seq_lens` (context + new); `window` is W (a query at position p
+    reads keys p-W+1..p)."""
     qsl, lens, q_lens, context = _step_lengths(query_start_loc, seq_lens, window, block_size)
     first = (context - (window - 1)).clamp(min=0) // block_size
     end = (lens + block_size - 1) // block_size
@@ -88,24 +118,34 @@ def plan_window_local(
 
     cached = ((context + block_size - 1) // block_size - first).clamp(min=0)
     copy = j[None, :] < cached[:, None]
-    columns = (first[:, None] + j[None, :]).clamp(max=max(block_table.shape[1] - 1, 0))
-    copy_src = block_table.to(torch.int64).gather(1, columns)[copy] if width else torch.zeros(0, dtype=torch.int64)
-    copy_dst = table[copy]
+    rows, cols = copy.nonzero(as_tuple=True)
 
     num_tokens = int(qsl[-1]) if qsl.numel() else 0
     request = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=num_tokens)
     position = context[request] + torch.arange(num_tokens) - qsl[request]
     token_slots = (offsets[request] + position // block_size - first[request]) * block_size + position % block_size
-    return WindowPlan(
+    return WindowLayout(
         first_block=first,
-        block_table=table.to(block_table.dtype),
+        block_table=table,
         seq_lens=(lens - first * block_size).to(seq_lens.dtype),
-        copy_src=copy_src,
-        copy_dst=copy_dst,
+        copy_rows=rows,
+        copy_columns=first[rows] + cols,
+        copy_dst=table[rows, cols],
         token_slots=token_slots,
         num_blocks=total,
         block_size=block_size,
     )
+
+
+def plan_window_local(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    window: int,
+    block_size: int,
+) -> WindowPlan:
+    """The plan for one group's step: `window_layout` over its `block_table` rows."""
+    return window_layout(query_start_loc, seq_lens, window, block_size).plan(block_table)
 
 
 @dataclass(frozen=True)
