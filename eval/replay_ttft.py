@@ -41,16 +41,19 @@ class Share:
     prefill_s: float = 0.0
     """From that step's start to the first token."""
     admitted_later: int = 0
-    """Requests A admitted in a later step than B did."""
+    """Requests A admitted later than B did (by any time)."""
     admitted_earlier: int = 0
+    steps_apart: int = 0
+    """Requests admitted half a decode step or more apart (the rest moved with the grid)."""
 
     @property
     def ttft_s(self) -> float:
         return self.wait_s + self.prefill_s
 
 
-def split(a: RunResult, b: RunResult) -> dict[str, Share]:
-    """The difference of `a`'s and `b`'s mean TTFT, split by group (see the module docstring)."""
+def split(a: RunResult, b: RunResult, step_s: float = SimParams.decode_s_per_step) -> dict[str, Share]:
+    """The difference of `a`'s and `b`'s mean TTFT, split by group (see the module docstring);
+    `step_s`: the simulated decode step."""
     if a.first_tokens.keys() != b.first_tokens.keys():
         raise ValueError(f"{a.engine} and {b.engine} replayed different requests")
     n = len(a.first_tokens)
@@ -65,18 +68,20 @@ def split(a: RunResult, b: RunResult) -> dict[str, Share]:
         share.prefill_s += ((x.ttft_s - wait_x) - (y.ttft_s - wait_y)) / n
         share.admitted_later += x.admitted_s > y.admitted_s + 1e-9
         share.admitted_earlier += x.admitted_s < y.admitted_s - 1e-9
+        share.steps_apart += abs(x.admitted_s - y.admitted_s) >= step_s / 2
     return shares
 
 
 def print_table(a: RunResult, b: RunResult, shares: dict[str, Share]) -> None:
     print(f"A = {a.engine}, B = {b.engine} at {a.kv_gib:g} GiB: mean TTFT {a.ttft_mean_s:.6f} s against "
           f"{b.ttft_mean_s:.6f} s ({a.ttft_mean_s / b.ttft_mean_s:.4f}x), hit tokens {a.hit_tokens:,} against {b.hit_tokens:,}")
-    print("| requests | count | hit tokens, A - B | mean TTFT, A - B (ms) | of it: wait for the first step | first step to first token | admitted later / earlier |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| requests | count | hit tokens, A - B | mean TTFT, A - B (ms) | of it: wait for the first step | first step to first token "
+          "| admitted later / earlier | of them half a step or more apart |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     total = Share(*(sum(getattr(s, f) for s in shares.values()) for f in Share.__dataclass_fields__))
     for group, s in [*shares.items(), ("all", total)]:
         print(f"| {group} | {s.requests} | {s.hit_tokens:+,} | {1e3 * s.ttft_s:+.4f} | {1e3 * s.wait_s:+.4f} | "
-              f"{1e3 * s.prefill_s:+.4f} | {s.admitted_later} / {s.admitted_earlier} |")
+              f"{1e3 * s.prefill_s:+.4f} | {s.admitted_later} / {s.admitted_earlier} | {s.steps_apart} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {engine} at {args.kv_gib} GiB: {e}", file=sys.stderr)
             return 2
-    shares = split(*runs)
+    shares = split(*runs, params.decode_s_per_step)
     print_table(*runs, shares)
     if args.json:
         args.json.write_text(json.dumps({

@@ -352,7 +352,8 @@ def test_ttft_split_adds_up_to_the_difference_of_the_means(tmp_path, capsys):
     data = json.loads(out.read_text())
     split = data["split"]
     assert split["A hits more"] == {"requests": 1, "hit_tokens": 512, "wait_s": 0.0,
-                                    "prefill_s": pytest.approx(-512 * 50e-6 / 4), "admitted_later": 0, "admitted_earlier": 0}
+                                    "prefill_s": pytest.approx(-512 * 50e-6 / 4), "admitted_later": 0, "admitted_earlier": 0,
+                                    "steps_apart": 0}
     assert split["A hits fewer"]["requests"] == 0 and split["hit alike"]["requests"] == 3
     assert split["hit alike"]["wait_s"] == split["hit alike"]["prefill_s"] == 0.0
     assert "| A hits more | 1 | +512 | -6.4000 |" in capsys.readouterr().out
@@ -366,6 +367,7 @@ def test_ttft_split_adds_up_to_the_difference_of_the_means(tmp_path, capsys):
     assert sum(s["requests"] for s in split) == a["requests"] == b["requests"] == 60
     assert sum(s["hit_tokens"] for s in split) == a["hit_tokens"] - b["hit_tokens"]
     assert sum(s["wait_s"] + s["prefill_s"] for s in split) == pytest.approx(a["ttft_mean_s"] - b["ttft_mean_s"], abs=1e-12)
+    assert all(s["steps_apart"] <= s["admitted_later"] + s["admitted_earlier"] <= s["requests"] for s in split)
     assert a["hit_tokens"] != b["hit_tokens"]  # the case is not trivial
     for bad, message in ((["--engines", "mimo"], "--engines must name two different engines"),
                          (["--engines", "mimo,mimo"], "--engines must name two different engines"),
