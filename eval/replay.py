@@ -658,7 +658,7 @@ def _upstream_swa_blocks(manager, request_id: str) -> int:
 def print_table(runs: list[RunResult]) -> None:
     baseline = {r.kv_gib: r for r in runs if r.engine == "upstream-r0"}
     header = (
-        f"{'engine':<22}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
+        f"{'engine':<26}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
         f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'TTFT s':>8}{'p90':>8}{'us/call':>9}{'x r0':>7}{'skipped':>8}"
         f"{'SWA/req':>8}"
     )
@@ -668,7 +668,7 @@ def print_table(runs: list[RunResult]) -> None:
         base = baseline.get(r.kv_gib)
         ratio = f"{r.hit_tokens / base.hit_tokens:6.2f}" if base and base.hit_tokens else "     -"
         print(
-            f"{r.engine:<22}{r.kv_gib:>8.2f}{r.num_blocks:>9}{r.prompt_tokens:>11}{r.ideal_hit_tokens:>11}"
+            f"{r.engine:<26}{r.kv_gib:>8.2f}{r.num_blocks:>9}{r.prompt_tokens:>11}{r.ideal_hit_tokens:>11}"
             f"{r.hit_tokens:>11}{100 * r.hit_ratio:>6.1f}%{100 * r.fraction_of_ideal:>8.1f}%"
             f"{r.pseudo_hit_tokens:>10}{r.recomputed_prefill_tokens:>11}{r.preemptions:>8}"
             f"{r.ttft_mean_s:>8.2f}{r.ttft_p90_s:>8.2f}{r.mean_us_per_call:>9.0f} {ratio}{r.skipped_too_long:>8}"
@@ -862,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_table(runs)
     for f in failed:
-        print(f"{f['engine']:<22}{f['kv_gib']:>8.2f}  cannot serve this source: {f['error']}")
+        print(f"{f['engine']:<26}{f['kv_gib']:>8.2f}  cannot serve this source: {f['error']}")
     if args.json:
         args.json.write_text(json.dumps({
             "source": source_name, "layout": args.layout, "params": asdict(params),

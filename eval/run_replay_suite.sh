@@ -10,13 +10,18 @@
 #       bytes (5x), the reference. Files eval/results/host-<workload>[-open-loop].{json,txt}
 #   ONLY="mixed agent-sessions" eval/run_replay_suite.sh ...   those workloads only
 #   PLOT=0 eval/run_replay_suite.sh ...   no plots (they need matplotlib: pip install 'vllm-mimo[eval]')
+#   SGLANG=0 / SGLANG=only eval/run_replay_suite.sh ...   without / only SGLang's engines (make sglang):
+#       they run apart, into replay-<workload>[-open-loop]-sglang.{json,txt}, as they do not change
+#       with the plugin; SGLang as it ships at three ratios and with its unified pool, and its best
+#       two without the waiting-prefix refresh (a cache against a cache)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # vLLM's block hashes and the OffloadingConnector's order follow Python's hash seed: fix it.
 export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 OUT=eval/results
-EXTRA=() SUFFIX= HOST= ONLY=${ONLY:-} PLOT=${PLOT:-1}
+EXTRA=() SUFFIX= HOST= ONLY=${ONLY:-} PLOT=${PLOT:-1} SGLANG=${SGLANG:-1}
+SGLANG_ENGINES=sglang-r0.8,sglang-r0.2,sglang-r0.05,sglang-unified,sglang-r0.05-norefresh,sglang-unified-norefresh
 for arg in "$@"; do
   case "$arg" in
     --open-loop) EXTRA=(--open-loop) SUFFIX=-open-loop ;;
@@ -25,6 +30,11 @@ for arg in "$@"; do
   esac
 done
 case "$PLOT" in 0|1) ;; *) echo "$0: PLOT must be 0 or 1, got '$PLOT'" >&2; exit 2 ;; esac
+case "$SGLANG" in 0|1|only) ;; *) echo "$0: SGLANG must be 0, 1 or only, got '$SGLANG'" >&2; exit 2 ;; esac
+if [ -z "$HOST" ] && [ "$SGLANG" != 0 ] && ! "$PY" -c 'from eval import sglang_peer; sglang_peer.load()' >/dev/null 2>&1; then
+  echo "$0: SGLang's engines need SGLang's cache code: make sglang (or SGLANG=0 to run without them)" >&2
+  exit 2
+fi
 if [ -z "$HOST" ] && [ "$PLOT" = 1 ] && ! "$PY" -c 'import matplotlib' 2>/dev/null; then
   echo "$0: the plots need matplotlib, which $PY lacks: pip install 'vllm-mimo[eval]', or PLOT=0 for no plots" >&2
   exit 2
@@ -36,8 +46,14 @@ run() {  # name, source args..., -- budgets...
   local src=(); while [ "$1" != "--" ]; do src+=("$1"); shift; done; shift
   if [ -z "$HOST" ]; then
     local plot=(); [ "$PLOT" = 1 ] && plot=(--plot "$OUT/replay-$name.png")
-    "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
-      --json "$OUT/replay-$name.json" "${plot[@]}" | tee "$OUT/replay-$name.txt"
+    if [ "$SGLANG" != only ]; then
+      "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
+        --json "$OUT/replay-$name.json" "${plot[@]}" | tee "$OUT/replay-$name.txt"
+    fi
+    if [ "$SGLANG" != 0 ]; then
+      "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
+        --engines "$SGLANG_ENGINES" --json "$OUT/replay-$name-sglang.json" | tee "$OUT/replay-$name-sglang.txt"
+    fi
     return
   fi
   local five=(); for g in "$@"; do five+=("$(awk "BEGIN{print 5*$g}")"); done
@@ -55,4 +71,7 @@ run agentic-mooncake --trace eval/traces/agentic-mooncake.jsonl -- 4 6 10 16 32
 if [ -z "$SUFFIX" ]; then
   run long-conversations --workload long-conversations -- 10 13 16 20
   run long-conversations-shared --workload long-conversations-shared -- 7 10 14 20
+  # The public slice (../shared/traces, its README): 4,031 requests of the Mooncake FAST'25
+  # conversation trace. Mooncake traces carry no answers: one loop.
+  run mooncake-conversation --trace eval/traces/mooncake-conversation-dev.jsonl -- 80 160 320 640
 fi

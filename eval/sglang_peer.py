@@ -523,7 +523,7 @@ class SGLangPeer:
         alignment) once the tree has evicted what it can."""
         need = tokens + self.page_size
         self.sg.common.evict_from_tree_cache(self.cache, need)
-        return self.allocator.full_available_size() >= need and self.allocator.swa_available_size() >= need
+        return self.allocator.available_size() >= need  # both pools' (the unified pool's joint) room
 
     def _batch(self, reqs: list, mode):
         import torch
