@@ -10,8 +10,9 @@ prompt is prefilled (issue 19).
   vLLM in it); `cuda.py`: vLLM's FlashInfer backend running it for SWA prefill steps.
 - `cuda_diffkv.py`: the CUDA path for SWA layers whose K and V head sizes differ (MiMo-V2's
   192/128, which vLLM runs on its `*_DIFFKV` backends): vLLM's `FLASH_ATTN_DIFFKV` with two
-  `flash_attn_varlen_func` calls. None of the CUDA paths has run on a GPU yet
-  (`eval/gpu_check.sh`), so window-local is opt-in there.
+  `flash_attn_varlen_func` calls. Of the CUDA paths only `split_prefill.py` has run on a GPU
+  (`eval/gpu_check.sh`, an H200: exact to bf16, slower than the stock call); the vLLM backends
+  have not, so window-local is opt-in there.
 
 `swa_attention_mode` resolves the `swa_attention` setting for this process's platform
 (`resolve`); `install` puts the backends in place (every process, while the plugin is

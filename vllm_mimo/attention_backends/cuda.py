@@ -1,11 +1,11 @@
 """Window-local SWA attention on CUDA: vLLM's FlashInfer backend, with SWA prefill steps run as
 two FlashInfer calls merged by log-sum-exp instead of one call over the paged cache.
 
-NOT YET RUN ON A GPU (no GPU was lent while it was written), neither this module nor
-`split_prefill.py`; `eval/gpu_check.sh` checks the latter against the torch reference and
-times it against FlashInfer's stock call (this module needs vLLM on CUDA, which the lent
-machines do not have), and `eval/RESULTS.md` says whether it has run. So `swa_attention`
-stays `stock` on CUDA unless set to `window-local` by hand.
+THIS MODULE HAS NOT RUN ON A GPU (it needs vLLM on CUDA, which the lent machines do not have).
+Its kernel layer, `split_prefill.py`, has: `eval/gpu_check.sh` on an H200 (issue 41) found it
+within bf16 tolerance of the torch reference and of FlashInfer's stock call, and slower than
+the stock call (`eval/RESULTS.md`). So `swa_attention` stays `stock` on CUDA unless set to
+`window-local` by hand.
 
 The builder plans a `SplitPrefill` (`plan.plan_split`'s arrays, page ids gathered from the
 step's block table) for the prefill requests of a step of a window-local SWA group; the impl

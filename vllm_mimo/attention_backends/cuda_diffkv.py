@@ -3,7 +3,8 @@
 `flash_attn_varlen_func` calls merged by log-sum-exp instead of one call over the paged cache.
 
 NOT YET RUN ON A GPU (no GPU with vLLM's CUDA build was lent while it was written; the lent
-machines have no vLLM, so `eval/gpu_check.sh` cannot run it either). What runs on CPU: the plan
+machines have no vLLM, so `eval/gpu_check.sh`, which ran FlashInfer's split on an H200, cannot
+run it either). What runs on CPU: the plan
 (`plan_step`) and the two calls with FlashAttention's documented mask rule emulated in torch
 (`attend`; tests/test_window_local.py). So `swa_attention` stays `stock` on CUDA unless set to
 `window-local` by hand.

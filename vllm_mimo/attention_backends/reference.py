@@ -75,8 +75,8 @@ def window_local_prefill(
     read): the cached part and the chunk part attended apart, merged, sinks applied once."""
     q = query.shape[0]
     cached = min(cached_key.shape[0], window - 1)
-    pos = torch.arange(context, context + q)
-    cached_pos = torch.arange(context - cached, context)
+    pos = torch.arange(context, context + q, device=query.device)
+    cached_pos = torch.arange(context - cached, context, device=query.device)
     start = cached_key.shape[0] - cached
     part = attend(query, cached_key[start:], cached_value[start:], pos, cached_pos, window, scale)
     out, lse = merge(part, attend(query, key, value, pos, pos, window, scale))

@@ -1,6 +1,9 @@
 """FlashInfer's two calls for a window-local SWA prefill step (`plan.SplitPlan`), merged in
 torch: the CUDA path's kernel layer, with no vLLM in it (so `eval/gpu_check.py` runs it on a
-GPU that has no vLLM). NOT YET RUN ON A GPU: see `eval/gpu_check.sh`.
+GPU that has no vLLM). Run on an H200 (FlashInfer 0.7.2.post1, fa2, bf16) by
+`eval/gpu_check.sh` (issue 41): within bf16 tolerance of the torch reference and of FlashInfer's
+stock call, but 3-9x the stock call's time, most of it `combine_split` in torch
+(`eval/results/gpu-check.json`).
 
 - the chunk: `BatchPrefillWithRaggedKVCacheWrapper` over the new tokens' keys and values in
   flight, causal, `window_left` W-1;
