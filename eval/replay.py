@@ -43,6 +43,7 @@ bytes over `--host-gbps` longer; stores run beside the steps (counted, not timed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -89,6 +90,8 @@ class SimParams:
     decode_s_per_step: float = 0.02
     closed_loop: bool = True
     """A next turn waits for the answer its prompt contains."""
+    queue_lookahead: int = MimoConfig().queue_lookahead_requests
+    """The plugin's `queue_lookahead_requests` (0: off)."""
     step_prefill_floor: int = MimoConfig().step_prefill_floor_tokens
     """The plugin scheduler's `step_prefill_floor_tokens` (0: its steps are never cut)."""
     prefill_chunk: int = MimoConfig().prefill_chunk_tokens
@@ -304,6 +307,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
     """Replay `requests` through one engine at one budget. `mimo_factory`: see `make_manager`;
     `on_step`: called after every simulated step."""
     from vllm_mimo.compat import Request, RequestStatus, get_request_block_hasher, init_none_hash
+    from vllm_mimo.engine.lookahead import QueueLookahead
     from vllm_mimo.engine.step_budget import StepBudget
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -336,6 +340,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         if is_mimo and (params.step_prefill_floor or params.prefill_chunk)
         else None
     )
+    lookahead = QueueLookahead(manager.cache, params.queue_lookahead) if is_mimo else None
     peak: dict[str, int] = {}
 
     # Requests not yet sent, by send time; a next turn joins when its previous turn finishes.
@@ -402,6 +407,8 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             continue
         if is_sglang:
             manager.begin_step(list(waiting), decoding=bool(running))
+        if lookahead is not None:
+            call.uncounted(lookahead.step, waiting)
         budget = params.token_budget
         loaded_bytes = 0  # from the host tier, this step
         host_loaded: list[str] = []  # requests whose load from the plugin's host tier ran this step
@@ -710,6 +717,11 @@ def add_source_arguments(parser: argparse.ArgumentParser, replay: bool = True) -
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests, N >= 1")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
+    parser.add_argument(
+        "--stretch", type=float, default=1.0, metavar="K",
+        help="send every request at K times its timestamp, K > 0: a trace recorded on a cluster "
+        "replayed at a load one engine keeps up with (default: 1.0, as recorded)",
+    )
     if replay:
         parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")
     parser.add_argument(
@@ -742,6 +754,8 @@ def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> So
         parser.error(f"--max-requests must be >= 1, got {args.max_requests}")
     if not args.scale > 0:
         parser.error(f"--scale must be > 0, got {args.scale}")
+    if not args.stretch > 0:
+        parser.error(f"--stretch must be > 0, got {args.stretch}")
     if args.max_model_len < 2 * BLOCK_SIZE or args.max_model_len % BLOCK_SIZE:
         parser.error(
             f"--max-model-len must be a multiple of {BLOCK_SIZE} and >= {2 * BLOCK_SIZE}, got {args.max_model_len}"
@@ -752,6 +766,8 @@ def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> So
         print(f"error: {e}", file=sys.stderr)
         return None
     requests = requests[: args.max_requests]
+    if args.stretch != 1.0:
+        requests = [dataclasses.replace(r, arrival_s=r.arrival_s * args.stretch) for r in requests]
     kept = [r for r in requests if r.prompt_len + r.output.length <= args.max_model_len]
     skipped = len(requests) - len(kept)
     if not kept:
@@ -796,6 +812,12 @@ def main(argv: list[str] | None = None) -> int:
         "when others wait or run and the free KV blocks cannot take a whole step's prefill "
         f"(default: {SimParams.prefill_chunk}, the plugin's; 0: none; upstream engines have none)",
     )
+    parser.add_argument(
+        "--queue-lookahead", type=int, default=SimParams.queue_lookahead, metavar="N",
+        help="the plugin's queue_lookahead_requests: every 32 steps with a queue, the prefixes the "
+        f"first N waiting requests would hit count as just used (default: {SimParams.queue_lookahead}, "
+        "the plugin's; 0: off; SGLang's engines do their own)",
+    )
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -823,6 +845,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
     if args.step_prefill_floor < 0:
         parser.error(f"--step-prefill-floor must be >= 0 tokens (0: off), got {args.step_prefill_floor}")
+    if args.queue_lookahead < 0:
+        parser.error(f"--queue-lookahead must be >= 0 requests (0: off), got {args.queue_lookahead}")
     if args.prefill_chunk < 0:
         parser.error(f"--prefill-chunk must be >= 0 tokens (0: no cap), got {args.prefill_chunk}")
     if args.host_gib is not None and not args.host_gib > 0:
@@ -840,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     requests, source_name = source.requests, source.name
     params = SimParams(
         max_running=args.max_running, max_model_len=source.max_model_len, closed_loop=not args.open_loop,
-        step_prefill_floor=args.step_prefill_floor, prefill_chunk=args.prefill_chunk,
+        step_prefill_floor=args.step_prefill_floor, prefill_chunk=args.prefill_chunk, queue_lookahead=args.queue_lookahead,
         host_gib=args.host_gib, host_gbps=args.host_gbps,
     )
     print(f"replay: {source_name}, {len(requests)} requests, layout {args.layout}, engines {','.join(engines)}", file=sys.stderr)
@@ -865,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{f['engine']:<26}{f['kv_gib']:>8.2f}  cannot serve this source: {f['error']}")
     if args.json:
         args.json.write_text(json.dumps({
-            "source": source_name, "layout": args.layout, "params": asdict(params),
+            "source": source_name, "stretch": args.stretch, "layout": args.layout, "params": asdict(params),
             "skipped_too_long": source.skipped_too_long,
             "runs": [r.as_dict() for r in runs],
             "failed": failed,

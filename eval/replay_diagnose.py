@@ -1,7 +1,7 @@
 """Where the plugin's KV blocks go in a replay, and why hits are lost (one engine, one budget).
 
     python -m eval.replay_diagnose (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G
-        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--json OUT]
+        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--json OUT] [--plot PNG]
 
 Replays like `eval.replay` with the plugin's manager only, observed through its events and
 its public state:
@@ -13,7 +13,11 @@ its public state:
     the Full path is unreferenced and past every anchor (kept until the memory is wanted);
   * anchor evictions by trigger: the anchor budget, or an allocation that needed more SWA
     blocks than one request's window (a prefill: stock attention backends read a prefill
-    chunk's keys back from the cache, so each of its tokens needs SWA blocks) or not.
+    chunk's keys back from the cache, so each of its tokens needs SWA blocks) or not;
+  * over time (`--plot`, and `series` in the JSON): the blocks anchors keep and the cached
+    Full blocks at each sample, against the anchors' cap (all blocks when none is set) and
+    half the blocks (the fixed budget the plugin had before issue 42), so it can be seen how
+    the anchors' share follows the traffic.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Diagnosis(CacheObserver):
         self.samples = 0
         self.pseudo_causes: Counter = Counter()
         self.anchor_evictions: Counter = Counter()
+        self.series: list[tuple[int, int, int]] = []  # (step, anchor SWA, cached Full) per sample
         self._steps = 0
         manager.cache.subscribe(self)
 
@@ -72,6 +77,7 @@ class Diagnosis(CacheObserver):
         use["cached Full"] += size.cached_full
         use["free"] += size.free
         self.samples += 1
+        self.series.append((self._steps, size.anchor_swa, size.cached_full))
 
     def admitted(self, request, hit_tokens: int, path) -> None:
         pseudo = len(path) * self.cache.block_size - hit_tokens
@@ -110,7 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     add_source_arguments(parser)
     parser.add_argument("--kv-gib", type=float, required=True, help="KV cache budget in GiB, > 0")
     parser.add_argument("--json", type=Path, help="write the diagnosis as JSON here")
+    parser.add_argument("--plot", type=Path, metavar="PNG",
+                        help="draw the anchors' and cached Full blocks over the run against the anchors' cap (needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'vllm-mimo[eval]'")
     if not args.kv_gib > 0:
         parser.error(f"--kv-gib must be > 0, got {args.kv_gib}")
     source = load_source(parser, args)
@@ -139,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         "kv_gib": args.kv_gib, "blocks": run.num_blocks, "hit_tokens": run.hit_tokens,
         "pseudo_hit_tokens": run.pseudo_hit_tokens, "mean_blocks_by_use": use,
         "pseudo_hit_tokens_by_cause": dict(m.pseudo_causes), "anchor_evictions_by_trigger": dict(m.anchor_evictions),
+        "anchor_cap_blocks": m.cache.anchor_budget_blocks,
+        "series": {"sample_every_steps": SAMPLE_EVERY, "step": [t for t, _, _ in m.series],
+                   "anchor_swa": [a for _, a, _ in m.series], "cached_full": [f for _, _, f in m.series]},
     }
     print(f"{out['source']} on {args.layout} at {args.kv_gib} GiB ({run.num_blocks} blocks): "
           f"{run.hit_tokens} hit tokens, {run.pseudo_hit_tokens} pseudo-hit tokens")
@@ -149,7 +165,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {value:>10}  {name}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
+    if args.plot is not None:
+        plot(out, args.plot)
     return 0
+
+
+def plot(out: dict, path: Path) -> None:
+    """The anchors' SWA blocks and the cached Full blocks over the run, with the anchors' cap
+    and the old fixed budget (half the blocks) as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = out["series"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.plot(series["step"], series["anchor_swa"], label="anchor SWA blocks")
+    ax.plot(series["step"], series["cached_full"], label="cached Full blocks", alpha=0.7)
+    ax.axhline(out["anchor_cap_blocks"], color="k", linestyle="--", label="anchors' cap")
+    ax.axhline(out["blocks"] // 2, color="r", linestyle=":", label="the old fixed budget (0.5)")
+    ax.set_xlabel("scheduler step")
+    ax.set_ylabel("KV blocks")
+    ax.set_title(f"{Path(out['source']).name}, {out['layout']}, {out['kv_gib']:g} GiB: {out['hit_tokens']:,} hit tokens")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,13 @@ with its host tier (`mimo-host`), storing SWA tails whole (`mimo-host-dense`), v
 `OffloadingConnector` (`upstream-offload`); the host tier over the other two; the host tier's
 and `swa-free`'s (at device + host bytes) fractions of the ideal; SWA tokens stored per anchor;
 bytes loaded per restored token and mean TTFT (host tier / upstream-offload).
+
+`--peers`: the plugin against both peers, per (source, budget) of each file and the
+`-sglang.json` that `eval/run_replay_suite.sh` writes beside it: the best upstream setting,
+SGLang as it ships at each ratio and with its unified pool (and its best without the
+waiting-prefix refresh), `swa-free`, the plugin, its ratios to the best of each peer and to
+`swa-free`, and whether the point meets issue 42's targets (>= both peers' best, and >= 0.8 of
+`swa-free` where `swa-free` reaches half the ideal).
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ import json
 from pathlib import Path
 
 UPSTREAM = ("upstream-r0", "upstream-dense", "upstream-r512")
+SGLANG = ("sglang-r0.8", "sglang-r0.2", "sglang-r0.05", "sglang-unified")
+"""SGLang as it ships (waiting-prefix refresh on): its best of these is the peer's best."""
+SGLANG_NOREFRESH = ("sglang-r0.05-norefresh", "sglang-unified-norefresh")
+FREE_SHARE = 0.8
+"""The plugin's target share of `swa-free`, where `swa-free` reaches half the ideal."""
 
 
 def summary_rows(path: Path) -> list[str]:
@@ -89,11 +101,81 @@ def host_rows(path: Path) -> list[str]:
     return rows
 
 
+def _runs_by_budget(path: Path) -> dict[float, dict[str, dict]]:
+    by_budget: dict[float, dict[str, dict]] = {}
+    for run in json.loads(path.read_text())["runs"]:
+        by_budget.setdefault(run["kv_gib"], {})[run["engine"]] = run
+    return by_budget
+
+
+def peer_rows(path: Path) -> list[str]:
+    """One row per budget of `path` (a plugin-side replay file) with its `-sglang.json`."""
+    source = Path(json.loads(path.read_text())["source"]).stem
+    ours = _runs_by_budget(path)
+    sglang_path = path.with_name(path.stem + "-sglang.json")
+    theirs = _runs_by_budget(sglang_path) if sglang_path.exists() else {}
+    rows = []
+    for gib in sorted(ours):
+        runs = {**theirs.get(gib, {}), **ours[gib]}
+        if "mimo" not in runs:
+            continue
+        mimo, free = runs["mimo"], runs.get("swa-free")
+        hits = {engine: run["hit_tokens"] for engine, run in runs.items()}
+        best_up = max((e for e in UPSTREAM if e in hits), key=hits.__getitem__, default=None)
+        best_sg = max((e for e in SGLANG if e in hits), key=hits.__getitem__, default=None)
+
+        def cell(engine: str) -> str:
+            return f"{hits[engine]:,}" if engine in hits else "-"
+
+        def ratio(engine: str | None) -> str:
+            return f"{mimo['hit_tokens'] / hits[engine]:.2f}" if engine and hits[engine] else "-"
+
+        ideal = mimo["ideal_hit_tokens"]
+        free_counts = free is not None and free["hit_tokens"] >= ideal / 2
+        met = all(
+            [
+                best_up is None or mimo["hit_tokens"] >= hits[best_up],
+                best_sg is None or mimo["hit_tokens"] >= hits[best_sg],
+                not free_counts or mimo["hit_tokens"] >= FREE_SHARE * free["hit_tokens"],
+            ]
+        )
+        sg_ttft = f"{runs[best_sg]['ttft_mean_s']:.2f}" if best_sg else "-"
+        rows.append(
+            f"| {source} | {gib:g} | {ideal:,} | "
+            + (f"{hits[best_up]:,} ({best_up.removeprefix('upstream-')}) | " if best_up else "- | ")
+            + " | ".join(cell(e) for e in SGLANG)
+            + f" | {' / '.join(cell(e) for e in SGLANG_NOREFRESH)} | {cell('swa-free')} | {mimo['hit_tokens']:,} | "
+            f"{ratio(best_up)} | {ratio(best_sg)} | {ratio('swa-free' if free else None)} | "
+            f"{free['hit_tokens'] / ideal:.2f} | " if free else "- | "
+        )
+        rows[-1] += f"{mimo['ttft_mean_s']:.2f} / {sg_ttft} | {'yes' if met else '**no**'} |"
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_summary", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="JSON files written by `eval.replay --json`")
     parser.add_argument("--host", action="store_true", help="the host tier's table (files of `eval/run_replay_suite.sh --host`)")
+    parser.add_argument(
+        "--peers", action="store_true",
+        help="the plugin against the best upstream setting, SGLang (each file's -sglang.json beside it) and swa-free",
+    )
     args = parser.parse_args(argv)
+    if args.host and args.peers:
+        parser.error("--host and --peers are different tables: give one")
+    if args.peers:
+        print(
+            "| workload | KV GiB | ideal | best upstream | SGLang r0.8 | SGLang r0.2 | SGLang r0.05 | SGLang unified | "
+            "SGLang r0.05 / unified, refresh off | swa-free | plugin | ÷ best upstream | ÷ SGLang best | ÷ swa-free | "
+            "swa-free ÷ ideal | TTFT s (plugin / SGLang best) | targets met |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        for path in args.files:
+            if path.stem.endswith("-sglang"):
+                continue
+            for row in peer_rows(path):
+                print(row)
+        return 0
     if args.host:
         print(
             "| workload | KV GiB | host GiB | ideal | plugin | host tier | host tier, dense SWA | upstream-offload | "

@@ -332,6 +332,33 @@ def test_an_anchor_is_worth_the_tokens_it_alone_makes_reachable_per_block_it_kee
     assert placement.worth(tail) == pytest.approx(share * 30 * BLOCK / (4 + 30))
 
 
+def test_a_new_speculative_anchor_starts_demoted_when_share_times_reach_is_under_a_quarter_grid():
+    """The hit tokens a new anchor is expected to make hittable (its kind's share times the
+    positions it reaches back) against a quarter of a grid interval: an output end of a long
+    conversation starts live whatever its kind's share, a short one does not; a grid point
+    starts demoted once its kind's share is under USEFUL_SHARE; declared anchors never do."""
+    from vllm_mimo.block_manager.placement import USEFUL_SHARE
+
+    tree = PrefixTree()
+    nodes = _chain(tree, 600)
+    grid_blocks = 32
+    placement = AnchorPlacement(BLOCK, grid_blocks * BLOCK, 2, ghost_capacity=0, window_cost=4, full_blocks_per_position=1)
+    quarter = USEFUL_SHARE * grid_blocks  # 8 positions' worth of hit tokens
+    placement.created[AnchorKind.OUTPUT_END] += 48  # share (0 + 1) / (48 + 2) = 0.02
+    deep, shallow = (Anchor(nodes[d], AnchorKind.OUTPUT_END, 2) for d in (599, 299))
+    assert placement.usefulness(AnchorKind.OUTPUT_END) * 600 >= quarter
+    assert not placement.starts_demoted(deep, AnchorKind.OUTPUT_END)
+    assert placement.usefulness(AnchorKind.OUTPUT_END) * 300 < quarter
+    assert placement.starts_demoted(shallow, AnchorKind.OUTPUT_END)
+    grid = Anchor(nodes[63], AnchorKind.GRID, 2)
+    assert placement.reach(AnchorKind.GRID, 63) == grid_blocks
+    assert not placement.starts_demoted(grid, AnchorKind.GRID)  # share 1/2 before any evidence
+    placement.created[AnchorKind.GRID] += 3  # share 1/5
+    assert placement.starts_demoted(grid, AnchorKind.GRID)
+    placement.created[AnchorKind.DECLARED] += 1000
+    assert not placement.starts_demoted(Anchor(nodes[0], AnchorKind.DECLARED, 2), AnchorKind.DECLARED)
+
+
 def test_a_prompt_tail_looks_back_further_and_is_worth_what_tails_of_its_length_serve():
     """Long prompts' tails serve (a tool loop's next turn), short ones' do not (a last turn):
     the share is learned per depth band, evicted tails a later request passes included; a tail
@@ -665,8 +692,8 @@ def test_step_prefill_estimate_counts_free_unheld_full_and_demoted_windows_only(
     budget = StepBudget(m.cache, floor_tokens=512)
     per_block = m.geometry.full_ids_per_position + m.geometry.swa_ids_per_position  # a prefill position takes a block of every group
     assert budget.prefill_tokens() == (m.geometry.num_blocks - 1) * BLOCK // per_block
-    first = make_request("t1", SYSTEM + [7] * 20)
-    _run(m, first, output=[5] * 30)
+    first = make_request("t1", SYSTEM + [7] * 20, extra_args={"mimo": {"anchors": [len(SYSTEM)]}})
+    _run(m, first, output=[5] * 30)  # a declared anchor: live (not speculative)
     before, demoted = budget.prefill_tokens(), m.cache.anchors.num_demoted()
     in_order = next(a for a in m.cache.anchors if a.state is AnchorState.LRU)
     m.cache.anchors.demote(in_order)
@@ -912,3 +939,25 @@ def test_window_local_keeps_the_windows_of_anchors_inside_a_chunk():
             _run(m, make_request(f"s{k}", prompt[: k * BLOCK] + [9000 + k] * 20), output=[1]) for k in (5, 8, 16)
         ]
     assert hits[True] == hits[False] == [5 * BLOCK, 8 * BLOCK, 16 * BLOCK]
+
+
+def test_queue_lookahead_keeps_what_a_waiting_request_will_hit():
+    """`queue_lookahead_requests`: a queued next turn's prefix counts as just used, so the
+    traffic that runs while it waits evicts the other session's KV first; without it (the
+    negative control) the older session, the one the queue comes for, is evicted first."""
+    from vllm_mimo.engine.lookahead import QueueLookahead
+
+    def next_turn_hit(lookahead: int) -> int:
+        m = _manager(num_blocks=200)
+        first = make_request("s1", [11] * (12 * BLOCK) + [1] * 5)
+        _run(m, first, output=[5] * 20)
+        _run(m, make_request("s2", [22] * (12 * BLOCK) + [1] * 5), output=[5] * 20)
+        queued = make_request("s1-next", first.all_token_ids[:] + [3] * 40)
+        queue = QueueLookahead(m.cache, lookahead)
+        for i in range(24):
+            queue.step([queued])
+            _run(m, make_request(f"other{i}", [1000 + i] * (6 * BLOCK) + [1] * 3), output=[5] * 4)
+        return _run(m, queued, output=[5])
+
+    assert next_turn_hit(4) == (12 * BLOCK + 5 + 20) // BLOCK * BLOCK  # the whole first turn, prompt and answer
+    assert next_turn_hit(0) == 0

@@ -430,3 +430,24 @@ def test_manager_time_tool_rejects_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         replay_us.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_stretched_arrivals_and_the_queue_lookahead(tmp_path, capsys):
+    """--stretch K sends every request at K times its timestamp (a cluster's trace at one
+    engine's load: shorter queues, a longer run, the same requests); --queue-lookahead 0 turns
+    the plugin's look-ahead off; bad values of either are refused with the accepted range."""
+    args = ["--trace", "eval/traces/agentic-mooncake.jsonl", "--layout", "mimo-v2.5-pro", "--kv-gib", "4",
+            "--max-requests", "120", "--engines", "swa-free,mimo"]
+    recorded, stretched = _run(tmp_path, *args), _run(tmp_path, *args, "--stretch", "8")
+    for engine in ("swa-free", "mimo"):
+        assert stretched[(engine, 4.0)]["ttft_mean_s"] < recorded[(engine, 4.0)]["ttft_mean_s"]
+        assert stretched[(engine, 4.0)]["sim_seconds"] > recorded[(engine, 4.0)]["sim_seconds"]
+        assert stretched[(engine, 4.0)]["ideal_hit_tokens"] == recorded[(engine, 4.0)]["ideal_hit_tokens"]
+    off = _run(tmp_path, *args, "--queue-lookahead", "0")
+    assert off[("swa-free", 4.0)] | {"mean_us_per_call": 0, "wall_seconds": 0} == recorded[("swa-free", 4.0)] | {
+        "mean_us_per_call": 0, "wall_seconds": 0}  # upstream's engines have no look-ahead
+    for bad, message in ((["--stretch", "0"], "--stretch must be > 0, got 0.0"),
+                         (["--queue-lookahead", "-1"], "--queue-lookahead must be >= 0 requests (0: off), got -1")):
+        with pytest.raises(SystemExit):
+            replay.main([*args, *bad])
+        assert message in capsys.readouterr().err

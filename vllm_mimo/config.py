@@ -73,18 +73,19 @@ class MimoConfig:
         metadata=_key(
             "Share of the KV blocks whose home is the SWA pool; the rest is the Full pool. "
             "null: the windows of the maximum number of running requests plus the anchor "
-            "budget. Must hold at least one request's window. Free blocks move between the "
+            "cap, at most half the blocks. Must hold at least one request's window. Free blocks move between the "
             "pools when one runs out.",
             min=0.01,
             max=0.9,
         ),
     )
-    anchor_budget_fraction: float = field(
-        default=0.5,
+    anchor_budget_fraction: float | None = field(
+        default=None,
         metadata=_key(
-            "Share of all KV blocks that SWA anchors (windows kept after requests move on) "
-            "may hold; the auto SWA pool is running windows plus this budget. Over it, anchors "
-            "are evicted, those first to go first (README, Anchors).",
+            "A cap on the share of all KV blocks that SWA anchors (windows kept after requests "
+            "move on) may hold; over it, anchors are evicted, those first to go first. null: no "
+            "cap; anchors and Full KV share the blocks in one eviction order, and which anchors "
+            "start demoted follows the hits each kind brings (README, Anchors).",
             min=0.0,
             max=0.9,
         ),
@@ -148,6 +149,17 @@ class MimoConfig:
             "the machine's memory. 0 turns the tier off.",
             min=0.0,
             max=1_048_576.0,
+        ),
+    )
+    queue_lookahead_requests: int = field(
+        default=128,
+        metadata=_key(
+            "Every 32 scheduler steps with a waiting queue, the cached prefixes of the first this "
+            "many waiting requests count as just used (the anchor each would hit, and its Full "
+            "KV), so eviction spares what queued requests come for (SGLang's waiting-prefix "
+            "refresh). 0 turns it off.",
+            min=0,
+            max=1_000_000,
         ),
     )
     hot_prefix_min_hits: int = field(

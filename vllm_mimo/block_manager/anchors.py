@@ -166,7 +166,7 @@ class AnchorSet:
     def __init__(
         self,
         window_blocks: int = 1,
-        starts_demoted: Callable[[AnchorKind], bool] = lambda kind: False,
+        starts_demoted: Callable[[Anchor, AnchorKind], bool] = lambda anchor, kind: False,
         placed: Callable[[Anchor, AnchorKind], None] = lambda anchor, kind: None,
         demoted: Callable[[Anchor], None] = lambda anchor: None,
         victim_in_tier: Callable[[list[Anchor]], Anchor] | None = None,
@@ -354,7 +354,7 @@ class AnchorSet:
             anchor = Anchor(node, kind, self.window_blocks)
             self.add(anchor, pinned)
             self._placed(anchor, kind)
-            if self._starts_demoted(kind):
+            if self._starts_demoted(anchor, kind):
                 self._demote(anchor)
                 return
         if node.full_refs:

@@ -55,7 +55,7 @@ class SizeInfo:
 @dataclass(frozen=True)
 class EvictionCause:
     """Why cached blocks are evicted: an allocation that needs `full_blocks` + `swa_blocks`
-    block ids, or (both None) the anchor budget."""
+    block ids, or (both None) the anchor cap a user set (`anchor_budget_fraction`)."""
 
     full_blocks: int | None = None
     swa_blocks: int | None = None
@@ -193,8 +193,8 @@ class AnchorPolicy(CacheObserver, ABC):
         """A request was preempted with `num_cached` of its positions in the tree."""
 
     @abstractmethod
-    def starts_demoted(self, kind: AnchorKind) -> bool:
-        """Whether a new anchor of `kind` (already counted as placed) starts demoted."""
+    def starts_demoted(self, anchor: Anchor, kind: AnchorKind) -> bool:
+        """Whether `anchor`, new and of `kind` (already counted as placed), starts demoted."""
 
     @abstractmethod
     def worth(self, anchor: Anchor) -> float:
@@ -222,7 +222,7 @@ class KVCache(ABC):
     anchor_window_blocks: int
     """Positions of SWA KV an anchor keeps: the window before a hit at its node."""
     anchor_budget_blocks: int
-    """SWA blocks anchors may keep (`anchor_budget_fraction`)."""
+    """SWA blocks anchors may keep (`anchor_budget_fraction`; all blocks without a cap)."""
     window_local: bool
     """The SWA groups' attention reads a prefill chunk's keys in flight (window-local), so a
     chunk's positions need SWA blocks only where they are read after its step."""
@@ -263,6 +263,12 @@ class KVCache(ABC):
         """
 
     @abstractmethod
+    def touch_prefix(self, request: Any) -> None:
+        """A queued request will come to its prefix: what it would hit now counts as just used
+        (the anchor its hit ends at, and its Full path), so eviction spares it for a while.
+        Admits, allocates and references nothing."""
+
+    @abstractmethod
     def cache(self, request: Any, num_tokens: int) -> None:
         """Offer the request's positions filled by its first `num_tokens` tokens to the tree."""
 
@@ -289,7 +295,7 @@ class KVCache(ABC):
              inflation and time: `anchors.AnchorState`); pinned anchors last;
           3. with `evict_held` (for a request that runs alone), held shared anchors.
 
-        Over the anchor budget, anchors go in the order of 2.
+        Over the anchor cap (`anchor_budget_fraction`, when one is set), anchors go in the order of 2.
         """
 
     @abstractmethod

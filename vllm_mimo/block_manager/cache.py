@@ -14,8 +14,8 @@ request holds a reference on every tree node of its prefix, so an unreferenced n
 a referenced descendant and Full eviction can always go leaf first.
 
 Where a new block comes from: the pool's own free list, else the other pool's (see `pools.py`),
-else eviction (`evict`). Anchors also have a budget (`anchor_budget_fraction`); over it, anchors
-are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
+else eviction (`evict`). Anchors may also have a cap a user sets (`anchor_budget_fraction`); over
+it, anchors are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
 instead of dropped (but a grid point or prompt end given up on before it served:
 `_evict_anchor`), and a request's hit extends into what the host holds (`host_extend`): its
 positions past the device's hit get Full blocks like new tokens, SWA blocks only for the window
@@ -56,7 +56,8 @@ _NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
 
 
 def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_blocks: int) -> int:
-    """SWA pool size: every running request's window, plus the anchor budget."""
+    """SWA pool size: every running request's window, plus the anchor budget, at most half the
+    blocks (free blocks move between the pools as either runs out)."""
     running = max_running * geometry.swa_blocks_per_request
     return max(geometry.swa_blocks_per_request, min(running + anchor_budget_blocks, (geometry.num_blocks - 1) // 2))
 
@@ -106,7 +107,10 @@ class HybridKVCache(KVCache):
         self._n_full = geometry.full_ids_per_position
         self._n_swa = geometry.swa_ids_per_position
 
-        self.anchor_budget_blocks = int(config.anchor_budget_fraction * (geometry.num_blocks - 1))
+        all_blocks = geometry.num_blocks - 1
+        self.anchor_budget_blocks = (
+            all_blocks if config.anchor_budget_fraction is None else int(config.anchor_budget_fraction * all_blocks)
+        )
         if config.swa_pool_fraction is None:
             swa_blocks = auto_swa_pool_blocks(geometry, max_num_running, self.anchor_budget_blocks)
         else:
@@ -133,14 +137,14 @@ class HybridKVCache(KVCache):
         # Nodes cached since the last `take_stores` (at schedule time, as vLLM caches blocks):
         # their KV is written by the coming forward, so an anchor on one is not stored yet.
         self._uncomputed: set[int] = set()
-        # Evicted anchors are remembered as many as the budget holds: what twice the budget
-        # would keep (the size of ARC's ghost lists).
+        # Evicted anchors are remembered as many as half the blocks (or a smaller cap) hold:
+        # what twice that would keep (the size of ARC's ghost lists).
         anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
         self.placement: AnchorPolicy = AnchorPlacement(
             geometry.block_size,
             config.grid_anchor_tokens,
             config.hot_prefix_min_hits,
-            ghost_capacity=self.anchor_budget_blocks // anchor_blocks,
+            ghost_capacity=min(self.anchor_budget_blocks, all_blocks // 2) // anchor_blocks,
             only_where=anchor_filter,
             window_cost=anchor_blocks,
             full_blocks_per_position=self._n_full,
@@ -467,6 +471,18 @@ class HybridKVCache(KVCache):
         for point in self.placement.window_points(request, start, stop + self.anchor_window_blocks, junction, branched):
             windows.update(range(max(start, point - self.anchor_window_blocks + 1), min(stop, point + 1)))
         return windows
+
+    def touch_prefix(self, request: Any) -> None:
+        if request.request_id in self._requests or not self.enable_caching:
+            return
+        match = self.match(request, request.num_tokens - 1)
+        if not match.path:
+            return
+        self._tick += 1
+        self.tree.touch(reversed(match.path), self._tick)
+        anchor = match.path[match.safe_blocks - 1].anchor if match.safe_blocks else None
+        if anchor is not None:
+            self.anchors.touch(anchor)
 
     # ------------------------------------------------------------------ caching
 

@@ -20,10 +20,13 @@ carries out the `AnchorDecision`s it returns, in order:
   * preempted: where its computed KV ends (it resumes there, first in line).
 
 It also learns, per kind, the share of speculative anchors that serve a hit (`usefulness`); a
-new speculative anchor of a kind that seldom serves starts demoted (`starts_demoted`): kept when
-memory is plentiful, first to go when it is not. An anchor demoted at birth is often evicted
-before its request comes, which would keep the share low however useful the kind is, so the
-node keys of the latest `ghost_capacity` speculative anchors evicted before serving are
+new speculative anchor starts demoted (`starts_demoted`: kept when memory is plentiful, first to
+go when it is not) when the hit tokens it is expected to make hittable, its share times the
+positions it reaches back (`reach`), are fewer than `USEFUL_SHARE` of a grid interval's. So an
+output end of a long conversation whose next turns seldom come back still starts live, a grid
+point of a kind that seldom serves does not, nor does the output end of a short conversation.
+An anchor demoted at birth is often evicted before its request comes, which would keep the
+share low however useful the kind is, so the node keys of the latest `ghost_capacity` speculative anchors evicted before serving are
 remembered, and a later request whose prompt passes one of them past its hit counts as the
 serve it missed.
 
@@ -67,8 +70,11 @@ BAND_PRIOR = 8.0
 (measured against 2 and 32: eval/RESULTS.md, issue 18)."""
 
 USEFUL_SHARE = 0.25
-"""Below this share of anchors that served a hit (or would have: see the module docstring), a
-new speculative anchor of a kind starts demoted."""
+"""A new speculative anchor starts demoted when its kind's share of anchors that served a hit
+(or would have: see the module docstring) times its `reach` is below this share of a grid
+interval (`WORTH_REACH` positions without a grid): for a grid point, a share below this.
+Measured against the old rule (a share below this, whatever the reach) on the public trace
+slice and the suite: eval/RESULTS.md, issue 42."""
 
 
 _NONE: tuple[AnchorDecision, ...] = ()
@@ -161,8 +167,20 @@ class AnchorPlacement(AnchorPolicy):
         if AnchorKind.PROMPT_TAIL in kinds:
             self._tails_served[depth_band(depth)] += 1
 
-    def starts_demoted(self, kind: AnchorKind) -> bool:
-        return kind in SPECULATIVE_KINDS and self.usefulness(kind) < USEFUL_SHARE
+    def reach(self, kind: AnchorKind, depth: int) -> int:
+        """Positions an anchor of `kind` at `depth` is expected to make hittable at most: from
+        an output end its whole conversation, from a prompt tail up to `TAIL_REACH`, from a grid
+        point its grid interval, from the others up to `WORTH_REACH`."""
+        if kind is AnchorKind.OUTPUT_END:
+            return depth + 1
+        cap = {AnchorKind.PROMPT_TAIL: TAIL_REACH, AnchorKind.GRID: self.grid_blocks or WORTH_REACH}
+        return min(depth + 1, cap.get(kind, WORTH_REACH))
+
+    def starts_demoted(self, anchor: Anchor, kind: AnchorKind) -> bool:
+        if kind not in SPECULATIVE_KINDS:
+            return False
+        depth = anchor.node.depth
+        return self.usefulness(kind, depth) * self.reach(kind, depth) < USEFUL_SHARE * (self.grid_blocks or WORTH_REACH)
 
     def worth(self, anchor: Anchor) -> float:
         """Hit tokens per block kept (see the module docstring): a speculative kind's

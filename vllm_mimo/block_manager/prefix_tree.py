@@ -276,6 +276,13 @@ class PrefixTree:
             node.last_access = tick
         return anchored
 
+    def touch(self, nodes: Iterable[Node], tick: int) -> None:
+        """These nodes are used at `tick` without a reference (a queued request will come to
+        them): later in the Full eviction order."""
+        for node in nodes:
+            node.last_access = tick
+            self.offer_full_victim(node)
+
     def unref_full(self, nodes: Iterable[Node]) -> list[Node]:
         """A running request lets go of these nodes (give them leaf first). Returns the anchored
         nodes nobody references any more."""

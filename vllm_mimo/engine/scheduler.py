@@ -22,6 +22,7 @@ from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
 from vllm_mimo.compat import SlidingWindowSpec
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
+from vllm_mimo.engine.lookahead import QueueLookahead
 from vllm_mimo.engine.pinning import pin_requests
 from vllm_mimo.engine.publisher import SnapshotPublisher, manager_snapshot
 from vllm_mimo.engine.step_budget import StepBudget
@@ -40,6 +41,7 @@ class _MimoSchedulerMixin:
     mimo_layout: HybridLayout | None
     mimo_manager: HybridKVCacheManager | None = None
     mimo_step_budget: StepBudget | None = None
+    mimo_lookahead: QueueLookahead | None = None
     _mimo_publisher: SnapshotPublisher | None = None
     mimo_acceptance: AcceptanceByBucket | None = None
     mimo_host_connector: MimoHostTierConnector | None = None
@@ -169,6 +171,8 @@ class _MimoSchedulerMixin:
                 )
         elif floor or chunk_tokens:
             self.mimo_step_budget = StepBudget(self.mimo_manager.cache, floor, chunk_tokens)
+        if self.mimo_config.queue_lookahead_requests:
+            self.mimo_lookahead = QueueLookahead(self.mimo_manager.cache, self.mimo_config.queue_lookahead_requests)
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
@@ -185,6 +189,8 @@ class _MimoSchedulerMixin:
         if self._mimo_pins_due:
             self._mimo_pins_due = False
             self._add_pinned_prompts()
+        if self.mimo_lookahead is not None:
+            self.mimo_lookahead.step(self.waiting)  # type: ignore[attr-defined]
         step_budget = self.mimo_step_budget
         if step_budget is None:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
