@@ -11,7 +11,7 @@ waiting requests every 32 passes); what it buys here is measured in eval/RESULTS
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from itertools import islice
 from typing import Any
 
@@ -29,15 +29,12 @@ class QueueLookahead:
         self.requests = requests
         self._steps = 0
 
-    def step(self, waiting: Iterable[Any]) -> None:
+    def step(self, waiting: Collection[Any]) -> None:
         """A scheduler step with these requests waiting, in queue order."""
-        if not self.requests:
-            return
-        head = list(islice(waiting, self.requests))
-        if not head:
+        if not self.requests or not waiting:
             return
         due = self._steps % self.EVERY == 0
         self._steps += 1
-        if due:
-            for request in reversed(head):
+        if due:  # the queue is read only on the steps that touch it (the scheduler runs every step)
+            for request in reversed(list(islice(waiting, self.requests))):
                 self.cache.touch_prefix(request)
