@@ -54,6 +54,7 @@ class EngineRun:
     turns: list[list[dict]]
     mimo: dict | None
     preemptions: float | None
+    script: dict | None = None
 
     def ids(self) -> list[list[list[int]]]:
         return [[o["ids"] for o in batch] for batch in self.batches if isinstance(batch, list)]
@@ -70,6 +71,7 @@ def run_engine(
     llm_kwargs: dict | None = None,
     max_tokens: int = 16,
     sessions: dict | None = None,
+    script: list[dict] | None = None,
     record_block_ids: bool = False,
     expect_failure: bool = False,
     patch: str | None = None,
@@ -91,6 +93,8 @@ def run_engine(
     }
     if sessions is not None:
         job["sessions"] = sessions
+    if script is not None:
+        job["script"] = script
     proc = subprocess.run(
         [sys.executable, str(RUNNER)],
         input=json.dumps(job),
@@ -115,7 +119,7 @@ def run_engine(
         tail = "\n".join(log.splitlines()[-60:])
         raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{tail}")
     data = json.loads(result[-1][len("RESULT ") :])
-    return EngineRun(data["batches"], data["workers"], log, data["turns"], data["mimo"], data["preemptions"])
+    return EngineRun(data["batches"], data["workers"], log, data["turns"], data["mimo"], data["preemptions"], data.get("script"))
 
 
 def six_user_sessions(ids: list[int]) -> dict:

@@ -8,6 +8,9 @@ Reads a JSON job on stdin:
             that `generate` must refuse: its result is {"error": the message, or None}
   sessions: {"system": [ids], "turns": [[user message ids, ...], ...]}  (optional) multi-turn
             chats: turn k of user u is the previous turn's prompt and answer plus the message
+  script:   [{"step": k, "ids": [...], "priority": p, "extra_args": {...}}, ...]  (optional) requests
+            added to the engine at its k-th step (0: before the first), with vLLM's priority;
+            the engine is stepped until all are done: {"script": {index: {"ids", "cached"}}}
   record_block_ids: true to report every block id the worker's KV groups received
   patch:    "module:function" called before the engine starts (a negative control's change to
             the plugin; it reaches the engine core when that runs in this process,
@@ -68,6 +71,27 @@ def _prompt(spec):
     return TokensPrompt(prompt_token_ids=ids), (spec.get("extra_args") if isinstance(spec, dict) else None)
 
 
+def run_script(llm, arrivals: list[dict], max_tokens: int) -> dict:
+    """Add each request at its step, step the engine until every one is done."""
+    from vllm import SamplingParams
+
+    engine, done, step = llm.llm_engine, {}, 0
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1]["step"])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1]["step"] <= step:
+            i, arrival = pending.pop(0)
+            prompt, _ = _prompt(arrival["ids"])
+            params = SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=arrival.get("extra_args")
+            )
+            engine.add_request(str(i), prompt, params, priority=arrival.get("priority", 0))
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = {"ids": list(output.outputs[0].token_ids), "cached": output.num_cached_tokens}
+        step += 1
+    return done
+
+
 def main() -> None:
     job = json.loads(sys.stdin.read())
     if job.get("patch"):
@@ -111,6 +135,7 @@ def main() -> None:
             results = generate(prompts)
             history = [p + r["ids"] for p, r in zip(prompts, results)]
             turns.append(results)
+    script = run_script(llm, job["script"], job["max_tokens"]) if "script" in job else {}
     workers = llm.collective_rpc(worker_report)
 
     from vllm_mimo.metrics import kv_manager_metrics
@@ -124,7 +149,7 @@ def main() -> None:
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     print(
         "RESULT " + json.dumps(
-            {"batches": batches, "turns": turns, "workers": workers, "mimo": mimo, "preemptions": preemptions}
+            {"batches": batches, "turns": turns, "script": script, "workers": workers, "mimo": mimo, "preemptions": preemptions}
         ),
         flush=True,
     )

@@ -787,6 +787,75 @@ def test_a_request_preempted_within_its_step_resumes_where_its_computed_tokens_e
     assert resume.node.depth + 1 == 6
 
 
+def _preempted_within_its_step(m, withdraw: bool = True):
+    """A 12-block prompt: its first chunk of 6 blocks runs, its second (to the prompt's end, where
+    a prompt-end anchor falls due) is scheduled and then preempted in the same step."""
+    req = make_request("v", list(range(4000, 4000 + 12 * BLOCK + 5)))
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, 6 * BLOCK, hit, blocks) is not None
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = 6 * BLOCK
+    assert m.allocate_slots(req, req.num_tokens - 6 * BLOCK) is not None
+    assert any(a.node.depth >= 6 for a in m.cache.anchors), "no anchor was placed on the uncomputed chunk"
+    if not withdraw:  # the negative control: what the cache did before `withdraw_uncomputed`
+        m.cache.withdraw_uncomputed = lambda request, state: None
+    m.free(req)
+    m.check_integrity()
+    return req
+
+
+def test_positions_scheduled_but_never_computed_leave_the_tree_when_their_request_is_preempted():
+    """vLLM caches a step's blocks when it schedules them; a request preempted within that step
+    (its priority policy does it) never computes them, so no anchor or cached Full KV of
+    them may stay for a later hit. A retry of the prompt hits only the computed chunk."""
+    m = _manager()
+    req = _preempted_within_its_step(m)
+    assert all(a.node.depth < 6 for a in m.cache.anchors)
+    assert max(node.depth for node in m.cache.tree.nodes.values()) == 5
+    retry = make_request("retry", list(req.prompt_token_ids))
+    assert m.get_computed_blocks(retry)[1] == 6 * BLOCK
+
+
+def test_without_the_withdrawal_a_retry_would_hit_kv_nobody_computed():
+    """Negative control for the test above."""
+    m = _manager()
+    req = _preempted_within_its_step(m, withdraw=False)
+    retry = make_request("retry", list(req.prompt_token_ids))
+    assert m.get_computed_blocks(retry)[1] > 6 * BLOCK
+
+
+def test_a_preempted_requests_uncomputed_positions_go_to_a_twin_that_computes_them():
+    """Two requests with the same prompt prefill the same positions in the same step: the
+    first one's blocks became the tree's, the second's stayed its own. When the first is
+    preempted within the step, the tree takes the second's copy (its forward writes it)."""
+    m = _manager()
+    prompt = list(range(6000, 6000 + 12 * BLOCK + 5))
+    first, twin = make_request("a", prompt), make_request("b", prompt)
+    blocks, hit, _ = m.get_computed_blocks(first)
+    assert m.allocate_slots(first, 3 * BLOCK, hit, blocks) is not None
+    first.status = RequestStatus.RUNNING
+    first.num_computed_tokens = 3 * BLOCK
+    blocks, hit, _ = m.get_computed_blocks(twin)
+    assert hit == 3 * BLOCK and m.allocate_slots(twin, 0, hit, blocks) is not None
+    twin.status = RequestStatus.RUNNING
+    twin.num_computed_tokens = hit
+    assert m.allocate_slots(first, 3 * BLOCK) is not None  # positions 3-5: the tree's are first's
+    assert m.allocate_slots(twin, 3 * BLOCK) is not None  # the same positions: twin's own
+    twins = m.cache.requests["b"]
+    nodes = twins.nodes[3:6]
+    assert all(node.full_blocks is not twins.full[pos] for pos, node in enumerate(nodes, 3))
+    m.free(first)
+    m.check_integrity()
+    assert all(node.full_blocks is twins.full[pos] for pos, node in enumerate(nodes, 3))
+    twin.num_computed_tokens += 3 * BLOCK
+    assert m.allocate_slots(twin, twin.num_tokens - twin.num_computed_tokens) is not None
+    twin.num_computed_tokens = twin.num_tokens
+    twin.status = RequestStatus.FINISHED_STOPPED
+    m.free(twin)
+    m.check_integrity()
+    assert m.get_computed_blocks(make_request("retry", prompt))[1] == 12 * BLOCK
+
+
 def test_allocation_fails_cleanly_when_the_pools_cannot_hold_it():
     m = _manager(num_blocks=60)
     req = make_request("big", list(range(3000, 3000 + 80 * BLOCK)))

@@ -1,7 +1,8 @@
 """Hypothesis drives the hybrid KV manager the way vLLM's scheduler does, with random
-admissions, chunked prefills, decodes, preemptions and finishes over shared prefixes, and
-checks every invariant after every step, every reported hit for window safety, and every
-running request's block ids against the tree's nodes.
+admissions, chunked prefills, decodes, preemptions (within the step that scheduled a request
+too, as vLLM's priority policy does) and finishes over shared prefixes, and checks every
+invariant after every step, every reported hit for window safety and for KV that a forward or
+a load wrote, and every running request's block ids against the tree's nodes.
 
 At scale (for a long fuzzing run, not the suite):
 
@@ -76,6 +77,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.finished: list = []
         self.outputs: dict[str, int] = {}
         self.count = 0
+        # Block ids whose KV a (modelled) forward or load wrote since they were last handed out.
+        self.written: set[int] = set()
 
     def call(self, method: str, *args, **kwargs):
         Counted.calls += 1
@@ -108,17 +111,21 @@ class ManagerMachine(RuleBasedStateMachine):
         self._check_window_safe(req, blocks, hit)
         external = self.call("host_extension", req)
         n = min(req.num_tokens - hit - external, chunk)
-        if self.call("allocate_slots", req, n, hit, blocks, num_external_computed_tokens=external) is None:
+        new = self.call("allocate_slots", req, n, hit, blocks, num_external_computed_tokens=external)
+        if new is None:
             return
+        self._handed_out(new)
         plan = self.m.cache.take_load(req.request_id)
         assert (plan is not None) == (external > 0), (external, plan)
         if plan is not None:
             Counted.host_loads += 1
             self._check_load(req, hit, external, plan)
             self.m.cache.finish_load(plan)
+            self.written.update(i for copy in [*plan.full, *plan.swa] for i in copy.device)
         self.waiting.pop(0)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = hit + external + n
+        self._computed(req, hit + external)
         self.running.append(req)
 
     @precondition(lambda self: self.running)
@@ -130,10 +137,25 @@ class ManagerMachine(RuleBasedStateMachine):
                 return self._finish(req)
             req.append_output_token_ids(11 + req.num_output_tokens % 7)
         n = min(req.num_tokens - req.num_computed_tokens, chunk)
-        if self.call("allocate_slots", req, n) is None:
+        new = self.call("allocate_slots", req, n)
+        if new is None:
             self._preempt(self.running[-1])
             return
+        self._handed_out(new)
         req.num_computed_tokens += n
+        self._computed(req, req.num_computed_tokens - n)
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 10), chunk=st.integers(1, 6 * BLOCK))
+    def preempt_within_its_step(self, index, chunk) -> None:
+        """A request is scheduled (its positions cached) and preempted before its forward."""
+        req = self.running[index % len(self.running)]
+        if req.num_computed_tokens < req.num_tokens:
+            n = min(req.num_tokens - req.num_computed_tokens, chunk)
+            new = self.call("allocate_slots", req, n)
+            if new is not None:
+                self._handed_out(new)
+        self._preempt(req)
 
     @rule()
     def forward(self) -> None:
@@ -210,6 +232,19 @@ class ManagerMachine(RuleBasedStateMachine):
             for pos in range(max(0, computed - WINDOW + 1) // bs, -(-computed // bs)):
                 assert state.swa[pos] is not None, (req.request_id, pos, computed)
 
+    def _handed_out(self, new) -> None:
+        """An allocation's new blocks hold nothing written yet."""
+        self.written.difference_update(i for group in new.get_block_ids() for i in group)
+
+    def _computed(self, req, start: int) -> None:
+        """The forward wrote the request's tokens from `start` to its computed tokens."""
+        geo = self.m.geometry
+        ids = self.m.get_block_ids(req.request_id)
+        for pos in range(start // geo.block_size, -(-req.num_computed_tokens // geo.block_size)):
+            for gid, group in enumerate(ids):
+                per = geo.blocks_per_position(gid)
+                self.written.update(i for i in group[pos * per : (pos + 1) * per] if i)
+
     def _preempt(self, req) -> None:
         self.running.remove(req)
         self.call("free", req)
@@ -262,6 +297,8 @@ class ManagerMachine(RuleBasedStateMachine):
                     assert not any(got), (req.request_id, pos, got)
         for gid in (*geo.full_group_ids, *geo.swa_group_ids):
             assert len(blocks.blocks[gid]) == n * geo.blocks_per_position(gid)
+        unwritten = [b.block_id for group in blocks.blocks for b in group if b.block_id and b.block_id not in self.written]
+        assert not unwritten, f"{req.request_id}'s hit of {n} positions reads blocks no forward or load wrote: {unwritten}"
 
 
 ManagerMachine.TestCase.settings = settings(

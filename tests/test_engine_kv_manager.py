@@ -203,3 +203,48 @@ def test_a_snapshot_older_than_the_front_end_is_ignored(tmp_path, monkeypatch):
     assert metrics.read_snapshots() == []
     with pytest.raises(RuntimeError, match="no vllm-mimo KV manager runs under this process"):
         metrics.kv_manager_metrics()
+
+
+# vLLM's priority policy: a low-priority request L prefills in chunks, with anchors declared at
+# every other position; a high-priority H arrives while it runs. In a KV cache of 90 blocks of
+# the tiny MiMo, a step schedules L's chunk (caching its positions) and then cannot fit H's, so
+# it preempts L within that step: L's chunk is never computed.
+PRIORITY_KWARGS = {
+    "dtype": "float32", "kv_cache_memory_bytes": 90 * 65536, "max_model_len": 1024, "disable_log_stats": False,
+    "scheduling_policy": "priority", "max_num_batched_tokens": 512, "long_prefill_token_threshold": 256,
+    # Steps are not cut to the free memory (the plugin's step budget would avoid the preemption).
+    "additional_config": {"mimo": {"step_prefill_floor_tokens": 0}},
+}
+
+
+@pytest.fixture(scope="module")
+def priority(tiny_models, ids):
+    script = [
+        {"step": 0, "ids": {"ids": ids[:1000], "extra_args": {"mimo": {"anchors": [256, 512, 768]}}}, "priority": 1},
+        {"step": 1, "ids": ids[2000:2900], "priority": 0},
+    ]
+    runs = {
+        # New blocks are noise until written (`engine_faults.scribble_new_blocks`), so KV that
+        # no forward wrote cannot pass for right.
+        "on": {"patch": "tests.engine_faults:scribble_new_blocks"},
+        "kept": {"patch": "tests.engine_faults:keep_uncomputed_and_scribble"},
+        "off": {"env": OFF},
+    }
+    return {
+        name: run_engine(tiny_models["mimo"], script=script, llm_kwargs=PRIORITY_KWARGS, max_tokens=8, **how)
+        for name, how in runs.items()
+    }
+
+
+def test_priority_preemption_within_a_step_gives_the_same_tokens(priority):
+    on, off = priority["on"], priority["off"]
+    assert on.preemptions > 0 and on.mimo["withdrawn_positions"] > 0, "no request was preempted within its step"
+    assert {rid: out["ids"] for rid, out in on.script.items()} == {rid: out["ids"] for rid, out in off.script.items()}
+
+
+def test_without_the_withdrawal_the_preempted_request_reads_kv_nobody_computed(priority):
+    """Negative control: the positions cached for the step that never ran stay in the tree, and
+    the preempted request, coming back, hits them."""
+    kept, off = priority["kept"], priority["off"]
+    assert kept.mimo["withdrawn_positions"] == 0
+    assert kept.script["0"]["ids"] != off.script["0"]["ids"]

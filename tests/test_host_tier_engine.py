@@ -46,13 +46,24 @@ def _tokens(run) -> list:
     return [[o["ids"] for o in turn] for turn in run.turns]
 
 
+# Every block the plugin's cache hands out is noise until a forward or a load writes it
+# (`tests.engine_faults.scribble_new_blocks`): SWA or Full KV that a load did not really bring
+# cannot pass for right, as freshly zeroed or reused memory might.
+SCRIBBLE = "tests.engine_faults:scribble_new_blocks"
+TINY_HOST = {"additional_config": {"mimo": {"host_tier_gib": 0.004}}}
+
+
 @pytest.fixture(scope="module")
 def runs(six_user_runs):
     return {
         "off": six_user_runs("off", env=OFF),
-        "host": six_user_runs("host", llm_kwargs=HOST),
+        "host": six_user_runs("host-scribbled", llm_kwargs=HOST, patch=SCRIBBLE),
+        "no-window": six_user_runs("host-no-window", llm_kwargs=HOST, patch="tests.engine_faults:scribble_and_skip_window_loads"),
         "corrupt": six_user_runs("host-corrupt", llm_kwargs=HOST, patch="tests.test_host_tier_engine:corrupt_host_copies"),
         "lost": six_user_runs("host-lost", llm_kwargs=HOST, patch="tests.test_host_tier_engine:lose_host_copies"),
+        "failing": six_user_runs("host-failing", llm_kwargs=HOST, patch="tests.engine_faults:scribble_and_fail_copies"),
+        "full": six_user_runs("host-full", llm_kwargs=TINY_HOST, patch=SCRIBBLE),
+        "no-memory": six_user_runs("host-no-memory", llm_kwargs=HOST, patch="tests.engine_faults:no_host_memory"),
     }
 
 
@@ -77,6 +88,39 @@ def test_preempted_requests_resume_from_host(runs):
     tier = host.mimo["host_tier"]
     assert host.preemptions > 0 and tier["swapped_out_tokens"] > 0 and tier["swapped_in_tokens"] > 0, tier
     assert _tokens(host) == _tokens(runs["off"])
+
+
+def test_a_load_that_skips_the_windows_swa_copy_changes_the_tokens(runs):
+    """Negative control for the scribbled runs: a host hit really reads the SWA window the load
+    brings (skipped, the window is the scribbled noise)."""
+    skipped = runs["no-window"]
+    assert skipped.mimo["host_tier"]["loads"] > 0 and skipped.mimo["host_tier"]["failed_loads"] == 0
+    assert _tokens(skipped) != _tokens(runs["off"])
+
+
+def test_host_copies_that_fail_recompute_with_the_same_tokens(runs):
+    """Loads and stores whose copies raise (injected): the loads' requests recompute, a failed
+    store's pages are never loaded, the engine goes on."""
+    failing = runs["failing"]
+    tier = failing.mimo["host_tier"]
+    assert tier["failed_loads"] > 0 and tier["failed_stores"] > 0 and tier["hit_tokens"] > 0, tier
+    assert failing.log_lines("host tier load for request") and failing.log_lines("host tier store of")
+    assert _tokens(failing) == _tokens(runs["off"])
+
+
+def test_a_full_host_pool_evicts_and_gives_the_same_tokens(runs):
+    full = runs["full"]
+    tier = full.mimo["host_tier"]
+    assert tier["evicted_anchors"] + tier["skipped_stores"] > 0 and tier["used_pages"] <= tier["pages"], tier
+    assert _tokens(full) == _tokens(runs["off"])
+
+
+def test_host_memory_that_cannot_be_had_at_startup_turns_the_tier_off(runs):
+    none = runs["no-memory"]
+    assert none.log_lines("the host tier is off: cannot allocate")
+    assert none.log_lines("the host tier is off: a worker has no host memory")
+    assert none.mimo["host_tier"]["hit_tokens"] == 0 or none.mimo["host_tier"]["failed_loads"] == none.mimo["host_tier"]["loads"]
+    assert _tokens(none) == _tokens(runs["off"])
 
 
 def test_a_corrupted_host_copy_changes_the_tokens(runs):

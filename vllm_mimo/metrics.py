@@ -77,6 +77,7 @@ _COUNTERS = {
     "pseudo_hit_tokens": "Full-cached prompt tokens recomputed because their SWA window was missing.",
     "recomputed_swa_tokens": "Tokens whose SWA KV was recomputed while the Full layers had them.",
     "prefill_steps_cut": "Steps whose prefill was held back to what the KV pools could take.",
+    "withdrawn_positions": "Cached positions of requests preempted within their step, never computed, taken out of the cache.",
 }
 _SPEC_COUNTERS = {
     "drafts": "Target steps that verified drafts, by output bucket (where the step starts).",
@@ -97,6 +98,8 @@ _HOST_METRICS = (  # (snapshot key, help, counter or gauge): set in MimoCollecto
     ("hit_tokens", "Prompt tokens of hits loaded from the host tier.", "counter"),
     ("loads", "Host tier loads (requests).", "counter"),
     ("failed_loads", "Host tier loads that failed (their requests recomputed).", "counter"),
+    ("failed_stores", "Steps whose copies to the host tier failed (never loaded).", "counter"),
+    ("evicted_anchors", "Anchors the host tier evicted to make room.", "counter"),
     ("stored_anchors", "SWA anchors demoted from device to the host tier.", "counter"),
     ("skipped_stores", "Anchors dropped because the host tier could not take them.", "counter"),
     ("load_seconds", "Seconds the workers spent loading from the host tier.", "counter"),
@@ -134,6 +137,7 @@ class MimoCollector:
                     fam.add_metric([s["model_name"], str(s["engine"]), kind], value)
             yield fam
         for name, doc in (("anchors", "Live SWA anchors."),
+                          ("held_blocks", "KV blocks running requests hold (0 when idle)."),
                           ("anchor_blocks", "SWA blocks kept only by anchors."),
                           ("peak_swa_blocks_per_request", "Most SWA blocks one running request held, "
                            "besides windows kept for anchors inside its prefill chunk."),

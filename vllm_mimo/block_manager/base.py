@@ -80,6 +80,9 @@ class RequestBlocks:
     """Positions below this hold no SWA blocks."""
     num_cached: int = 0
     """Positions already offered to the tree."""
+    adopted_full: int = 0
+    """Positions below this use the tree's own Full blocks from admission on (a hit, or a pseudo
+    hit taken over); past it, a node's Full blocks that are the request's were given by it."""
     step_blocks: int = 0
     """SWA positions allocated by the latest allocation."""
     lookahead_blocks: int = 0
@@ -116,6 +119,10 @@ class CacheObserver:
     def freed(self, request: Any) -> None:
         """A finished or preempted request let go of its blocks."""
 
+    def withdrawn(self, request: Any, positions: int) -> None:
+        """A request preempted within the step that scheduled it took `positions` cached
+        positions its forward never computed out of the tree (`HybridKVCache.withdraw_uncomputed`)."""
+
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         """An anchor of `kind` was placed: a new anchor, or a new kind of a live one."""
 
@@ -134,13 +141,14 @@ class Observers:
     """The subscribed observers' handlers, per event; a subscriber's handler is listed only
     where it overrides `CacheObserver`'s, so an event nobody wants costs nothing."""
 
-    EVENTS = ("admitted", "cached", "allocated", "freed", "anchor_placed", "anchor_demoted", "anchor_evicted", "blocks_evicted")
+    EVENTS = ("admitted", "cached", "allocated", "freed", "withdrawn", "anchor_placed", "anchor_demoted", "anchor_evicted", "blocks_evicted")
 
     def __init__(self) -> None:
         self.admitted: list = []
         self.cached: list = []
         self.allocated: list = []
         self.freed: list = []
+        self.withdrawn: list = []
         self.anchor_placed: list = []
         self.anchor_demoted: list = []
         self.anchor_evicted: list = []

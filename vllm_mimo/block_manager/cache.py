@@ -365,6 +365,7 @@ class HybridKVCache(KVCache):
             state.full = [node.full_blocks for node in path[:have_full]]  # type: ignore[misc]
             state.swa_start = max(0, hit - window)
             state.num_cached = hit
+            state.adopted_full = have_full
             # A hit ends at an anchor (or inside a running request's window).
             anchor = path[hit - 1].anchor if hit else None
             decisions = self.placement.on_hit(anchor, goes_on=len(path) == hit) if anchor is not None else ()
@@ -564,11 +565,12 @@ class HybridKVCache(KVCache):
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return
-        nodes = state.nodes
         if request.is_finished():
-            self.anchors.apply(self.placement.on_finished(request, nodes, state.num_cached))
+            self.anchors.apply(self.placement.on_finished(request, state.nodes, state.num_cached))
         else:
-            self.anchors.apply(self.placement.on_preempted(request, nodes, state.num_cached))
+            self.withdraw_uncomputed(request, state)
+            self.anchors.apply(self.placement.on_preempted(request, state.nodes, state.num_cached))
+        nodes = state.nodes
         self._release_swa(state, len(state.swa))
         for pos, ids in enumerate(state.full):
             if pos >= len(nodes) or nodes[pos].full_blocks is not ids:
@@ -577,6 +579,76 @@ class HybridKVCache(KVCache):
         self._enforce_anchor_budget()
         for freed in self._observers.freed:
             freed(request)
+
+    def withdraw_uncomputed(self, request: Any, state: RequestBlocks) -> None:
+        """A preempted request leaves nothing in the tree it did not compute. Positions are
+        cached when their step is scheduled, so a request preempted within that step (vLLM's
+        priority policy does it) has cached positions past its computed tokens that no forward
+        wrote. The KV it gave their nodes goes to another running request's own copy of the
+        same position (which its forward writes) or back to it; anchors that end on KV taken
+        back, or cover it, go; the request's blocks and references end where its computed
+        tokens do."""
+        computed = request.num_computed_tokens // self.block_size
+        nodes, full, swa, tree = state.nodes, state.full, state.swa, self.tree
+        if computed >= len(nodes) and computed >= len(full):
+            return
+        for pos in range(len(nodes) - 1, computed - 1, -1):
+            node = nodes[pos]
+            if pos < state.num_cached and pos < len(swa) and swa[pos] is not None and node.swa_blocks is swa[pos]:
+                other = self._own_copy(pos, node, Pool.SWA)
+                if other is None:
+                    for anchor in self._anchors_covering(node):
+                        self._drop_anchor(anchor)
+                    assert node.swa_refs == 1 and not node.anchor_refs, node
+                    node.swa_refs = 0
+                node.swa_blocks = other  # the other request's reference replaces this one's
+            if pos < state.num_cached and pos >= state.adopted_full and node.full_blocks is full[pos]:
+                other = self._own_copy(pos, node, Pool.FULL)
+                if other is None:
+                    if node.anchor is not None:
+                        self._drop_anchor(node.anchor)
+                    assert node.full_refs == 1 and not node.full_children, node
+                    node.full_refs = 0
+                    tree.set_full(node, None)
+                    tree.prune(node)
+                    continue
+                tree.set_full(node, other)
+                node.full_refs -= 1
+                continue
+            self.anchors.release_nodes(tree.unref_full([node]))
+        for pos in range(computed, len(full)):
+            if pos >= len(nodes) or nodes[pos].full_blocks is not full[pos]:
+                self.pools.give_back(full[pos])
+        for pos in range(max(computed, state.swa_start), len(swa)):
+            if swa[pos] is not None:
+                self.pools.give_back(swa[pos])
+        withdrawn = max(0, state.num_cached - computed)
+        del nodes[computed:], full[computed:], swa[computed:]
+        state.num_cached = min(state.num_cached, computed)
+        if withdrawn:
+            for observer in self._observers.withdrawn:
+                observer(request, withdrawn)
+
+    def _own_copy(self, pos: int, node: Node, pool: Pool) -> Blocks | None:
+        """Another running request's own blocks of `pool` for `node`'s position, which it has
+        cached (so its forward writes them), where the node holds other blocks."""
+        held = node.full_blocks if pool is Pool.FULL else node.swa_blocks
+        for other in self._requests.values():
+            if pos < other.num_cached and other.nodes[pos] is node:
+                ids = other.full[pos] if pool is Pool.FULL else other.swa[pos]
+                if ids is not None and ids is not held:
+                    return ids
+        return None
+
+    def _anchors_covering(self, node: Node) -> list[Anchor]:
+        """The anchors whose window covers `node`: at it or below it, up to a window deep."""
+        found, level = [], [node]
+        for _ in range(self.anchor_window_blocks):
+            for below in level:
+                if below.anchor is not None and node in below.anchor.window:
+                    found.append(below.anchor)
+            level = [child for below in level for child in below.children.values()]
+        return found
 
     def reset(self) -> bool:
         if self._requests:

@@ -30,6 +30,9 @@ class KVManagerMetrics(CacheObserver):
     recomputes every layer for a token, so today this equals `pseudo_hit_tokens`."""
     preempted_hit_tokens: int = 0
     """Hits of requests re-admitted after preemption (not in `hit_tokens`)."""
+    withdrawn_positions: int = 0
+    """Positions requests preempted within the step that scheduled them had cached but never
+    computed, taken out of the tree (vLLM's priority policy preempts so)."""
     anchors_kept: Counter = field(default_factory=Counter)
     """Anchors created, by kind."""
     anchors_evicted: Counter = field(default_factory=Counter)
@@ -58,6 +61,9 @@ class KVManagerMetrics(CacheObserver):
     def allocated(self, request: Any, swa_blocks: int, anchor_window_blocks: int) -> None:
         self.peak_swa_blocks_per_request = max(self.peak_swa_blocks_per_request, swa_blocks)
         self.peak_anchor_window_blocks_per_request = max(self.peak_anchor_window_blocks_per_request, anchor_window_blocks)
+
+    def withdrawn(self, request: Any, positions: int) -> None:
+        self.withdrawn_positions += positions
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         self.anchors_kept[kind.value] += 1

@@ -43,12 +43,14 @@ class HostTierWorkerMeta(compat.KVConnectorWorkerMetadata):
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     available: bool = True
+    failed_stores: int = 0
 
     def aggregate(self, other: Any) -> "HostTierWorkerMeta":
         return HostTierWorkerMeta(
             max(self.load_seconds, other.load_seconds),
             max(self.store_seconds, other.store_seconds),
             self.available and other.available,
+            self.failed_stores + other.failed_stores,
         )
 
 
@@ -62,6 +64,8 @@ class HostTierCounters:
     store_seconds: float = 0.0
     loads: int = 0
     failed_loads: int = 0
+    failed_stores: int = 0
+    """Steps whose stores a worker could not copy (their pages are never loaded: `HostKVBuffer` tags)."""
 
 
 class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
@@ -134,6 +138,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if isinstance(worker, HostTierWorkerMeta):
             self.counters.load_seconds += worker.load_seconds
             self.counters.store_seconds += worker.store_seconds
+            self.counters.failed_stores += worker.failed_stores
             if not worker.available and self.available:
                 self.available = False
                 logger.warning("vllm-mimo: the host tier is off: a worker has no host memory for it (see its log)")
@@ -189,8 +194,14 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if self.buffer is None:
             return  # the tier is off: nothing is stored, every load fails
         start = time.perf_counter()
-        self.buffer.store(kv_connector_metadata.stores)
-        self.buffer.synchronize()
+        try:
+            self.buffer.store(kv_connector_metadata.stores)
+            self.buffer.synchronize()
+        except RuntimeError as e:
+            # A page the copy did not finish keeps the tag of its previous store, so the load
+            # that expects this store's fails and its request recomputes.
+            self._meta().failed_stores += 1
+            logger.warning("vllm-mimo: host tier store of %d blocks failed (%s); loads of them recompute", len(kv_connector_metadata.stores), e)
         self._meta().store_seconds += time.perf_counter() - start
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -199,10 +210,15 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             return
         start = time.perf_counter()
         for request_id, copies in meta.loads.items():
-            done = self.buffer.load(copies) if self.buffer is not None else None
+            try:
+                done = self.buffer.load(copies) if self.buffer is not None else None
+                if self.buffer is not None:
+                    self.buffer.synchronize()
+            except RuntimeError as e:
+                # The request's blocks are its own until it is scheduled: it recomputes them.
+                done = None
+                logger.warning("vllm-mimo: host tier load for request %s failed (%s)", request_id, e)
             (self._failed if done is None else self._finished).add(request_id)
-        if self.buffer is not None:
-            self.buffer.synchronize()
         self._meta().load_seconds += time.perf_counter() - start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
