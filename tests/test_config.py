@@ -259,3 +259,27 @@ def test_host_tier_installs_the_plugins_connector_and_refuses_another(tiny_model
         _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, kv_transfer_config=other)
     with pytest.raises(Exception, match=r"host_tier_gib=0.5 needs prefix caching"):
         _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, enable_prefix_caching=False)
+
+
+def test_cache_control_must_be_anthropics_ephemeral_marker():
+    from vllm_mimo.engine.chat_anchors import CacheControlError, anchor_prefixes
+
+    ok = {"type": "ephemeral"}
+    messages = [{"role": "system", "content": [{"type": "text", "text": "s", "cache_control": ok}]},
+                {"role": "user", "content": "u", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    assert len(anchor_prefixes(messages, system_anchor=False)) == 2
+    assert anchor_prefixes([{"role": "user", "content": "u", "cache_control": None}], system_anchor=False) == []
+    for bad in ("yes", {"type": "persistent"}, {"type": "ephemeral", "ttl": "2d"}, {"type": "ephemeral", "scope": 1}):
+        with pytest.raises(CacheControlError, match=r"messages\[0\]\.content\[0\]: cache_control must be"):
+            anchor_prefixes([{"role": "user", "content": [{"type": "text", "text": "u", "cache_control": bad}]}], False)
+
+
+def test_anchor_hints_come_as_an_object_or_its_json_text():
+    from vllm_mimo.block_manager.placement import AnchorHintError, declared_anchors
+
+    assert declared_anchors({"mimo": {"anchors": [128, 256], "pin": True}}) == ([128, 256], True)
+    assert declared_anchors({"mimo": '{"anchors": [128]}'}) == ([128], False)  # HTTP's vllm_xargs
+    with pytest.raises(AnchorHintError, match=r'extra_args\["mimo"\] is a string but not JSON'):
+        declared_anchors({"mimo": "anchors: 128"})
+    with pytest.raises(AnchorHintError, match=r'\["anchors"\] must be a list of positive token positions'):
+        declared_anchors({"mimo": '{"anchors": "after the system prompt"}'})

@@ -107,7 +107,7 @@ def test_acceptance_by_bucket_reaches_prometheus(tmp_path, monkeypatch):
     snapshot = {
         "model_name": "m", "engine": 0, "anchors_kept": {}, "anchors_evicted": {}, "anchors": 0, "anchor_blocks": 0, "peak_swa_blocks_per_request": 0, "peak_anchor_window_blocks_per_request": 0,
         "pools": {}, "spec_decode": acc.snapshot(), "prompt_tokens": 0, "window_safe_hit_tokens": 0,
-        "full_cached_tokens": 0, "pseudo_hit_tokens": 0, "recomputed_swa_tokens": 0, "prefill_steps_cut": 0, "withdrawn_positions": 0, "held_blocks": 0,
+        "full_cached_tokens": 0, "pseudo_hit_tokens": 0, "recomputed_swa_tokens": 0, "prefill_steps_cut": 0, "withdrawn_positions": 0, "integrity_checks": 0, "integrity_violations": 0, "held_blocks": 0,
     }
     Path(metrics.snapshot_path(0)).write_text(json.dumps(snapshot))
     samples = {

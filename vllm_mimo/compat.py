@@ -35,6 +35,7 @@ from vllm.tokenizers.registry import cached_tokenizer_from_config
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
+from vllm.exceptions import VLLMValidationError  # a request rejected with HTTP 400 (a bare ValueError is a 500)
 
 try:  # reference SWA: a full-attention spec subclass that is really windowed
     from vllm.v1.kv_cache_interface import RSWASpec
@@ -42,6 +43,7 @@ except ImportError:  # pragma: no cover - absent on some builds
     RSWASpec = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "VLLMValidationError",
     "FullAttentionManager",
     "FullAttentionSpec",
     "Request",

@@ -180,6 +180,16 @@ class MimoConfig:
             "MTP layers. false: vLLM's drafter (MTP layer 0 for every draft token).",
         ),
     )
+    check_integrity_at_idle: bool = field(
+        default=False,
+        metadata=_key(
+            "Each time the engine runs out of requests, check every invariant of the KV "
+            "manager (its pools, tree, anchors and host tier; a walk over all of them) and log "
+            "the result; the counts appear in the metrics (integrity_checks, "
+            "integrity_violations). For soak tests and debugging; a violation is logged, not "
+            "raised.",
+        ),
+    )
 
     @classmethod
     def keys(cls) -> dict[str, dataclasses.Field]:

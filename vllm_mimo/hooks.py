@@ -68,7 +68,8 @@ def _validate_anchor_hints_on_input() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_mimo.block_manager.placement import declared_anchors
+    from vllm_mimo.block_manager.placement import AnchorHintError, declared_anchors
+    from vllm_mimo.compat import VLLMValidationError
 
     validate = InputProcessor._validate_params
     if getattr(validate, "_vllm_mimo_hook", False):
@@ -76,7 +77,10 @@ def _validate_anchor_hints_on_input() -> None:
 
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(params, SamplingParams):
-            declared_anchors(params.extra_args)
+            try:
+                declared_anchors(params.extra_args)
+            except AnchorHintError as e:
+                raise VLLMValidationError(str(e), parameter='extra_args["mimo"]') from None
         return validate(self, params, *args, **kwargs)
 
     _validate_params._vllm_mimo_hook = True  # type: ignore[attr-defined]

@@ -77,6 +77,8 @@ _COUNTERS = {
     "pseudo_hit_tokens": "Full-cached prompt tokens recomputed because their SWA window was missing.",
     "recomputed_swa_tokens": "Tokens whose SWA KV was recomputed while the Full layers had them.",
     "prefill_steps_cut": "Steps whose prefill was held back to what the KV pools could take.",
+    "integrity_checks": "KV manager integrity checks at idle (check_integrity_at_idle).",
+    "integrity_violations": "KV manager integrity checks at idle that found a violation (logged).",
     "withdrawn_positions": "Cached positions of requests preempted within their step, never computed, taken out of the cache.",
 }
 _SPEC_COUNTERS = {

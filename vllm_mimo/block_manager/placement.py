@@ -47,6 +47,7 @@ eval/RESULTS.md, issue 18).
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -90,9 +91,21 @@ class AnchorHintError(ValueError):
     """A request's `extra_args["mimo"]` anchor hints are malformed."""
 
 
-def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
-    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]`, validated."""
+def mimo_hints(extra_args: dict | None) -> dict | None:
+    """`extra_args["mimo"]`: an object, or its JSON text (what an HTTP request's `vllm_xargs`,
+    whose values are strings or numbers, can carry)."""
     hints = (extra_args or {}).get("mimo")
+    if isinstance(hints, str):
+        try:
+            hints = json.loads(hints)
+        except ValueError as e:
+            raise AnchorHintError(f'extra_args["mimo"] is a string but not JSON ({e}): {hints!r}') from None
+    return hints
+
+
+def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
+    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]` (`mimo_hints`), validated."""
+    hints = mimo_hints(extra_args)
     if hints is None:
         return [], False
     if not isinstance(hints, dict):

@@ -15,7 +15,8 @@ models with the plugin on):
 Anchor points: the end of the leading system (or developer) messages, unless
 `system_prompt_anchor` is off; the end of every content part (or whole message) carrying
 `"cache_control": {"type": "ephemeral"}`, the prompt-caching convention of Anthropic's Messages
-API. Positions of repeated prefixes (a shared system prompt) are cached.
+API. Positions of repeated prefixes (a shared system prompt) are cached. A `cache_control`
+that is not such an object fails the request with HTTP 400 naming it (`check_cache_control`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+from vllm_mimo.block_manager.placement import AnchorHintError, declared_anchors
 from vllm_mimo.log import logger
 
 _prefixes: contextvars.ContextVar[list[list[dict]] | None] = contextvars.ContextVar(
@@ -51,6 +53,29 @@ def _as_dict(message: Any) -> dict:
     return message if isinstance(message, dict) else dict(message)
 
 
+class CacheControlError(ValueError):
+    """A `cache_control` marker the plugin does not understand (the request gets HTTP 400)."""
+
+
+_CACHE_CONTROL_TTLS = ("5m", "1h")
+
+
+def check_cache_control(value: Any, where: str) -> None:
+    """`cache_control` must be Anthropic's `{"type": "ephemeral"}`, optionally with a "ttl" of
+    "5m" or "1h" (which the plugin's anchors do not distinguish)."""
+    ok = (
+        isinstance(value, dict)
+        and value.get("type") == "ephemeral"
+        and set(value) <= {"type", "ttl"}
+        and value.get("ttl", "5m") in _CACHE_CONTROL_TTLS
+    )
+    if not ok:
+        raise CacheControlError(
+            f'{where}: cache_control must be {{"type": "ephemeral"}}, optionally with "ttl" one of '
+            f"{list(_CACHE_CONTROL_TTLS)}, got {value!r}"
+        )
+
+
 def anchor_prefixes(messages: list[Any], system_anchor: bool) -> list[list[dict]]:
     """The conversations, cut at each anchor point, whose rendered length is an anchor."""
     messages = [_as_dict(m) for m in messages]
@@ -64,9 +89,11 @@ def anchor_prefixes(messages: list[Any], system_anchor: bool) -> list[list[dict]
         content = message.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("cache_control"):
+                if isinstance(part, dict) and part.get("cache_control") is not None:
+                    check_cache_control(part["cache_control"], f"messages[{i}].content[{j}]")
                     prefixes.append(messages[:i] + [{**message, "content": content[: j + 1]}])
-        if message.get("cache_control"):
+        if message.get("cache_control") is not None:
+            check_cache_control(message["cache_control"], f"messages[{i}]")
             prefixes.append(messages[: i + 1])
     return prefixes
 
@@ -113,7 +140,10 @@ def install(system_anchor: bool) -> None:
         if not isinstance(result, tuple):
             return result
         full_ids = self._extract_prompt_components(result[1][0]).token_ids
-        prefixes = anchor_prefixes(request.messages, _system_anchor) + (_prefixes.get() or [])
+        try:
+            prefixes = anchor_prefixes(request.messages, _system_anchor) + (_prefixes.get() or [])
+        except CacheControlError as e:
+            return self.create_error_response(str(e))
         positions = set()
         for prefix in prefixes:
             try:
@@ -133,20 +163,25 @@ def install(system_anchor: bool) -> None:
         params = to_sampling_params(self, *args, **kwargs)
         anchors = _anchors.get()
         _anchors.set(None)
-        hints = (params.extra_args or {}).get("mimo", {})
-        if anchors and isinstance(hints, dict):  # malformed hints are rejected by validation
-            extra = dict(params.extra_args or {})
-            hints = dict(hints)
-            hints["anchors"] = sorted(set(hints.get("anchors", [])) | set(anchors))
-            extra["mimo"] = hints
-            params.extra_args = extra
+        if not anchors:
+            return params
+        try:
+            declared, pin = declared_anchors(params.extra_args)
+        except AnchorHintError:
+            return params  # rejected, with its message, by the plugin's validation of parameters
+        extra = dict(params.extra_args or {})
+        extra["mimo"] = {"anchors": sorted(set(declared) | set(anchors)), "pin": pin}
+        params.extra_args = extra
         return params
 
     create_messages = AnthropicServingMessages.create_messages
 
     async def create_messages_with_cache_control(self, request, raw_request=None):
         if raw_request is not None:
-            _prefixes.set(await _anthropic_prefixes(self, request, raw_request))
+            try:
+                _prefixes.set(await _anthropic_prefixes(self, request, raw_request))
+            except CacheControlError as e:
+                return self.create_error_response(str(e))
         return await create_messages(self, request, raw_request)
 
     OpenAIServingChat.render_chat_request = render_chat_request
@@ -165,14 +200,16 @@ async def _anthropic_prefixes(serving: Any, request: Any, raw_request: Any) -> l
     system = body.get("system")
     if isinstance(system, list):
         for k, block in enumerate(system):
-            if isinstance(block, dict) and block.get("cache_control"):
+            if isinstance(block, dict) and block.get("cache_control") is not None:
+                check_cache_control(block["cache_control"], f"system[{k}]")
                 cuts.append({"system": request.system[: k + 1], "messages": []})
     for i, message in enumerate(body.get("messages") or []):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for j, block in enumerate(content):
-            if isinstance(block, dict) and block.get("cache_control"):
+            if isinstance(block, dict) and block.get("cache_control") is not None:
+                check_cache_control(block["cache_control"], f"messages[{i}].content[{j}]")
                 cut_message = request.messages[i].model_copy(update={"content": request.messages[i].content[: j + 1]})
                 cuts.append({"messages": request.messages[:i] + [cut_message]})
     prefixes = []

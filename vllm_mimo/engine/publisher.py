@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.engine.step_budget import StepBudget
+from vllm_mimo.log import logger
 from vllm_mimo.metrics import snapshot_path
 from vllm_mimo.offload.connector import HostTierCounters
 from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
@@ -42,6 +43,35 @@ def host_tier_snapshot(manager: HybridKVCacheManager, counters: HostTierCounters
     }
 
 
+class IntegrityAtIdle:
+    """`check_integrity_at_idle`: the KV manager's invariants checked once each time the engine
+    becomes idle, the result logged and counted."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.violations = 0
+        self._due = True
+
+    def step(self, manager: HybridKVCacheManager, idle: bool) -> None:
+        """After every step: check if the engine is idle and has run a request since the last check."""
+        if not idle:
+            self._due = True
+            return
+        if not self._due:
+            return
+        self._due = False
+        self.checks += 1
+        try:
+            manager.check_integrity()
+        except AssertionError as e:
+            self.violations += 1
+            logger.error("vllm-mimo: integrity check at idle %d: VIOLATION: %s", self.checks, e)
+            return
+        logger.info(
+            "vllm-mimo: integrity check at idle %d: ok, %d blocks held", self.checks, manager.cache.size_info().held
+        )
+
+
 def manager_snapshot(
     manager: HybridKVCacheManager,
     step_budget: StepBudget | None,
@@ -49,6 +79,7 @@ def manager_snapshot(
     model_name: str,
     engine_index: int,
     host_counters: HostTierCounters | None = None,
+    integrity: IntegrityAtIdle | None = None,
 ) -> dict:
     """Everything `/metrics` shows for one engine."""
     metrics, pools, size = manager.metrics, manager.cache.pools, manager.cache.size_info()
@@ -69,6 +100,8 @@ def manager_snapshot(
         "anchors": size.anchors,
         "anchor_blocks": size.anchor_swa,
         "held_blocks": size.held,
+        "integrity_checks": integrity.checks if integrity is not None else 0,
+        "integrity_violations": integrity.violations if integrity is not None else 0,
         "peak_swa_blocks_per_request": metrics.peak_swa_blocks_per_request,
         "peak_anchor_window_blocks_per_request": metrics.peak_anchor_window_blocks_per_request,
         "spec_decode": acceptance.snapshot() if acceptance is not None else {},

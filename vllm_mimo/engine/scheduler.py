@@ -24,7 +24,7 @@ from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
 from vllm_mimo.engine.lookahead import QueueLookahead
 from vllm_mimo.engine.pinning import pin_requests
-from vllm_mimo.engine.publisher import SnapshotPublisher, manager_snapshot
+from vllm_mimo.engine.publisher import IntegrityAtIdle, SnapshotPublisher, manager_snapshot
 from vllm_mimo.engine.step_budget import StepBudget
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
@@ -45,6 +45,7 @@ class _MimoSchedulerMixin:
     _mimo_publisher: SnapshotPublisher | None = None
     mimo_acceptance: AcceptanceByBucket | None = None
     mimo_host_connector: MimoHostTierConnector | None = None
+    mimo_integrity: IntegrityAtIdle | None = None
     _mimo_pins_due = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -171,6 +172,8 @@ class _MimoSchedulerMixin:
                 )
         elif floor or chunk_tokens:
             self.mimo_step_budget = StepBudget(self.mimo_manager.cache, floor, chunk_tokens)
+        if self.mimo_config.check_integrity_at_idle:
+            self.mimo_integrity = IntegrityAtIdle()
         if self.mimo_config.queue_lookahead_requests:
             self.mimo_lookahead = QueueLookahead(self.mimo_manager.cache, self.mimo_config.queue_lookahead_requests)
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
@@ -264,6 +267,7 @@ class _MimoSchedulerMixin:
                 vllm_config.model_config.served_model_name,
                 vllm_config.parallel_config.data_parallel_rank,
                 self.mimo_host_connector.counters if self.mimo_host_connector is not None else None,
+                self.mimo_integrity,
             ),
             force=force,
         )
@@ -289,6 +293,8 @@ class _MimoSchedulerMixin:
     def make_stats(self, *args: Any, **kwargs: Any):
         # Called after every step; also the point where the front end learns our counters.
         idle = not self.running and not self.waiting  # type: ignore[attr-defined]
+        if self.mimo_integrity is not None and self.mimo_manager is not None:
+            self.mimo_integrity.step(self.mimo_manager, idle)
         self._mimo_publish(force=idle)
         return super().make_stats(*args, **kwargs)  # type: ignore[misc]
 
