@@ -42,6 +42,7 @@ MODEL_NAME = "soak"
 PINNED_SYSTEM = "You are the on-call engineer for a payments platform; answer in one short line. " * 8
 WORDS = ("queue", "retry", "ledger", "timeout", "refund", "shard", "replica", "batch", "token", "cache",
          "deploy", "rollback", "invoice", "webhook", "latency", "quota")
+MAX_UNEXPECTED = 50  # then the clients stop (a dead server would otherwise be hammered)
 # Bad input: (reason, the text the 4xx message must contain).
 BAD_INPUTS = {
     "over max_model_len": "maximum context length",
@@ -101,6 +102,9 @@ class Soak:
     def _unexpected(self, what: str) -> None:
         self.result.unexpected.append(what)
         print(f"[soak] unexpected: {what}", file=sys.stderr, flush=True)
+        if len(self.result.unexpected) == MAX_UNEXPECTED:
+            print(f"[soak] {MAX_UNEXPECTED} unexpected errors: stopping the clients", file=sys.stderr, flush=True)
+            self.deadline = 0.0
 
     async def session(self, client, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)

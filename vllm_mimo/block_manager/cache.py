@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorSet, AnchorState
+from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet, AnchorState
 from vllm_mimo.block_manager.base import (
     ANCHOR_BUDGET,
     AnchorPolicy,
@@ -372,7 +372,7 @@ class HybridKVCache(KVCache):
             self.anchors.hold_nodes(anchored)
             if anchor is not None:
                 self.anchors.record_hit(anchor)
-            self.anchors.apply(decisions)
+            self._apply(decisions)
         if need_full + need_swa > free and not self.evict(need_full + need_swa, EvictionCause(need_full, need_swa), evict_held):
             raise AssertionError("allocation plan and pools disagree")
         new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
@@ -393,7 +393,7 @@ class HybridKVCache(KVCache):
             self._requests[request.request_id] = state
             for admitted in self._observers.admitted:
                 admitted(request, hit_tokens + external_tokens, state.nodes)
-            self.anchors.apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens + external_tokens))
+            self._apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens + external_tokens))
         return self._allocated(request, state, kept_positions, windows, num_lookahead_tokens, total_computed + num_new_tokens, cache, full, swa)
 
     def _allocated(
@@ -507,9 +507,14 @@ class HybridKVCache(KVCache):
         state.num_cached = end
         decisions = self.placement.on_cached(request, state.nodes, start, end, branched)
         self.anchors.hold_nodes(anchored)
-        self.anchors.apply(d for d in decisions if d.demote or self._window_on_device(d.node))
+        self._apply(decisions)
         for cached in self._observers.cached:
             cached(request, state.nodes[start:end])
+
+    def _apply(self, decisions: Iterable[AnchorDecision]) -> None:
+        """Carry out the anchor policy's decisions; an anchor is placed only where its window's
+        SWA KV is on the device (`_window_on_device`)."""
+        self.anchors.apply(d for d in decisions if d.demote or self._window_on_device(d.node))
 
     def _window_on_device(self, node: Node) -> bool:
         """Whether the SWA KV of the anchor window ending at `node` is on the device (see the
@@ -566,10 +571,10 @@ class HybridKVCache(KVCache):
         if state is None:
             return
         if request.is_finished():
-            self.anchors.apply(self.placement.on_finished(request, state.nodes, state.num_cached))
+            self._apply(self.placement.on_finished(request, state.nodes, state.num_cached))
         else:
             self.withdraw_uncomputed(request, state)
-            self.anchors.apply(self.placement.on_preempted(request, state.nodes, state.num_cached))
+            self._apply(self.placement.on_preempted(request, state.nodes, state.num_cached))
         nodes = state.nodes
         self._release_swa(state, len(state.swa))
         for pos, ids in enumerate(state.full):
@@ -793,6 +798,7 @@ class HybridKVCache(KVCache):
             assert anchor.node.anchor is anchor
             for node in anchor.window:
                 anchor_refs[id(node)] = anchor_refs.get(id(node), 0) + 1
+                assert node.swa_blocks is not None, f"{anchor} covers {node}, which has no SWA KV"
         for node in self.tree.nodes.values():
             assert node.full_refs == full_refs.get(id(node), 0), (node, full_refs.get(id(node), 0))
             assert node.swa_refs == swa_refs.get(id(node), 0), (node, swa_refs.get(id(node), 0))

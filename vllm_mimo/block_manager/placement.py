@@ -302,8 +302,9 @@ class AnchorPlacement(AnchorPolicy):
                 if junction.hit_count >= self.hot_prefix_min_hits:
                     decisions.append(AnchorDecision(junction, AnchorKind.HOT))
         due = {}
+        hit = min(hit_tokens // bs, len(nodes))  # a host extension's positions may lie past `nodes`
         for end, (kind, pin) in self._ends(request).items():
-            if end <= len(nodes):  # already in the tree (hit or pseudo hit)
+            if end <= hit:  # in the hit; in a pseudo hit it falls due as the request recomputes it
                 decisions.append(AnchorDecision(nodes[end - 1], kind, pin))
             else:
                 due[end] = (kind, pin)
