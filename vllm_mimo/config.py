@@ -152,12 +152,12 @@ class MimoConfig:
         ),
     )
     queue_lookahead_requests: int = field(
-        default=128,
+        default=1024,
         metadata=_key(
             "Every 32 scheduler steps with a waiting queue, the cached prefixes of the first this "
             "many waiting requests count as just used (the anchor each would hit, and its Full "
             "KV), so eviction spares what queued requests come for (SGLang's waiting-prefix "
-            "refresh). 0 turns it off.",
+            "refresh does this for 128). 0 turns it off.",
             min=0,
             max=1_000_000,
         ),
