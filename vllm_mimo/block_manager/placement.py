@@ -291,6 +291,10 @@ class AnchorPlacement(AnchorPolicy):
         bs = self.block_size
         prompt_blocks = (request.num_prompt_tokens - 1) // bs
         decisions = []
+        due: dict[int, tuple[AnchorKind, bool]] = {}
+        # In the hit an anchor is placed now; in a pseudo hit (no SWA KV yet) it falls due as
+        # the request recomputes it. A host extension's positions may lie past `nodes`.
+        hit = min(hit_tokens // bs, len(nodes))
         if request.num_preemptions == 0:
             if self._ghosts:
                 self._credit_missed_serve(keys, hit_tokens // bs, prompt_blocks)
@@ -300,11 +304,12 @@ class AnchorPlacement(AnchorPolicy):
                 junction = nodes[-1]
                 junction.hit_count += 1
                 if junction.hit_count >= self.hot_prefix_min_hits:
-                    decisions.append(AnchorDecision(junction, AnchorKind.HOT))
-        due = {}
-        hit = min(hit_tokens // bs, len(nodes))  # a host extension's positions may lie past `nodes`
+                    if len(nodes) <= hit:
+                        decisions.append(AnchorDecision(junction, AnchorKind.HOT))
+                    else:
+                        due[len(nodes)] = (AnchorKind.HOT, False)
         for end, (kind, pin) in self._ends(request).items():
-            if end <= hit:  # in the hit; in a pseudo hit it falls due as the request recomputes it
+            if end <= hit:
                 decisions.append(AnchorDecision(nodes[end - 1], kind, pin))
             else:
                 due[end] = (kind, pin)
