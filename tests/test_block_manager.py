@@ -1030,3 +1030,41 @@ def test_queue_lookahead_keeps_what_a_waiting_request_will_hit():
 
     assert next_turn_hit(4) == (12 * BLOCK + 5 + 20) // BLOCK * BLOCK  # the whole first turn, prompt and answer
     assert next_turn_hit(0) == 0
+
+
+def test_an_output_end_keeps_its_own_window_where_a_next_turn_ahead_of_it_let_go_of_the_trees():
+    """Open-loop traffic: a next turn (`ahead`) prefills the previous turn's answer before that
+    turn (`behind`) has decoded it, so where `behind` caches those positions the tree's SWA
+    blocks are `ahead`'s and its own are private. `ahead` moves on and lets go of them; when
+    `behind` finishes, its own copies become the tree's and its output end is anchored there,
+    so a later turn hits through the whole answer."""
+    m = _manager()
+    prompt = list(range(7000, 7000 + 4 * BLOCK + 5))
+    answer = list(range(100, 100 + 6 * BLOCK - 5))  # behind ends at 10 whole positions
+    behind = make_request("behind", prompt, max_tokens=len(answer))
+    ahead = make_request("ahead", prompt + answer + list(range(300, 300 + 8 * BLOCK)))
+    blocks, hit, _ = m.get_computed_blocks(behind)
+    assert m.allocate_slots(behind, behind.num_tokens, hit, blocks) is not None
+    behind.status = RequestStatus.RUNNING
+    behind.num_computed_tokens = behind.num_tokens
+    end = 10 * BLOCK
+    blocks, hit, _ = m.get_computed_blocks(ahead)
+    assert m.allocate_slots(ahead, end - hit, hit, blocks) is not None  # its chunk ends where behind will
+    ahead.status = RequestStatus.RUNNING
+    ahead.num_computed_tokens = end
+    for token in answer:
+        behind.append_output_token_ids(token)
+        assert m.allocate_slots(behind, 1) is not None
+        behind.num_computed_tokens += 1
+    window = m.cache.requests["behind"].swa[7:10]
+    assert any(ids is not None and node.swa_blocks is not ids for ids, node in zip(window, m.cache.requests["behind"].nodes[7:10]))
+    assert m.allocate_slots(ahead, ahead.num_tokens - end) is not None
+    ahead.num_computed_tokens = ahead.num_tokens
+    ahead.status = RequestStatus.FINISHED_STOPPED
+    m.free(ahead)
+    behind.status = RequestStatus.FINISHED_STOPPED
+    m.free(behind)
+    m.check_integrity()
+    assert 10 in [a.node.depth + 1 for a in m.cache.anchors.of_kind(AnchorKind.OUTPUT_END)]
+    later = make_request("later", prompt + answer + list(range(900, 900 + 2 * BLOCK)))
+    assert m.get_computed_blocks(later)[1] >= end

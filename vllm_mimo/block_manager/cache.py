@@ -502,6 +502,7 @@ class HybridKVCache(KVCache):
             return
         keys = block_hashes[(start + 1) * stride - 1 : end * stride : stride]
         branched, anchored = self.tree.add_positions(state.nodes, keys, state.full, state.swa, start, self._tick)
+        self.tree.share_swa(state.nodes, state.swa, max(state.swa_start, start - self.anchor_window_blocks), start)
         if self.host is not None:
             self._uncomputed.update(id(node) for node in state.nodes[start:end])
         state.num_cached = end
@@ -570,11 +571,13 @@ class HybridKVCache(KVCache):
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return
-        if request.is_finished():
-            self._apply(self.placement.on_finished(request, state.nodes, state.num_cached))
-        else:
+        finished = request.is_finished()
+        if not finished:
             self.withdraw_uncomputed(request, state)
-            self._apply(self.placement.on_preempted(request, state.nodes, state.num_cached))
+        first = max(state.swa_start, state.num_cached - self.anchor_window_blocks)
+        self.tree.share_swa(state.nodes, state.swa, first, state.num_cached)
+        placement = self.placement.on_finished if finished else self.placement.on_preempted
+        self._apply(placement(request, state.nodes, state.num_cached))
         nodes = state.nodes
         self._release_swa(state, len(state.swa))
         for pos, ids in enumerate(state.full):

@@ -234,13 +234,20 @@ class PrefixTree:
             path.append(node)
             parent = node
         anchored = self.ref_full(path[first_new:], tick)
-        for pos in range(start, end):
+        self.share_swa(path, swa, start, end)
+        return branched, anchored
+
+    def share_swa(self, path: Sequence[Node], swa: Sequence[Blocks | None], start: int, end: int) -> None:
+        """The nodes of positions `start` to `end` of a running request's `path` without SWA KV
+        take its SWA blocks there (`swa`, by position), which it references from then on. A
+        request keeps its own copy where another request's was shared; once that other request
+        lets go of it, this one's copy is the node's (an anchor there needs it)."""
+        for pos in range(start, min(end, len(swa))):
             ids = swa[pos]
             node = path[pos]
             if ids is not None and node.swa_blocks is None:
                 node.swa_blocks = ids
                 node.swa_refs += 1
-        return branched, anchored
 
     def branch_points(self, path: Sequence[Node], keys: Sequence[Any], start: int) -> list[int]:
         """The positions `add_positions(path, keys, ..., start, ...)` would return as branched,
