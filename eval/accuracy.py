@@ -86,7 +86,9 @@ def _run(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> int:
         log.flush()
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout_s)
     if proc.returncode != 0:
-        saved = [p for p in glob.glob(str(log_path.parent / "**" / "results_*.json"), recursive=True) if os.path.getmtime(p) >= t0]
+        saved = [
+            p for p in glob.glob(str(log_path.parent / "**" / "results_*.json"), recursive=True) if os.path.getmtime(p) >= t0
+        ]
         if not saved or "Saving per-task samples" not in log_path.read_text(errors="replace"):
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
             raise RuntimeError(f"lm_eval failed (exit {proc.returncode}); log {log_path}:\n{tail}")
@@ -103,7 +105,7 @@ def _read_outputs(out_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
     for task in data["results"]:
         files = sorted(glob.glob(str(out_dir / "**" / f"samples_{task}_*.jsonl"), recursive=True), key=os.path.getmtime)
         if files:
-            rows = [json.loads(l) for l in Path(files[-1]).read_text().splitlines() if l.strip()]
+            rows = [json.loads(line) for line in Path(files[-1]).read_text().splitlines() if line.strip()]
             samples[task] = sorted(rows, key=lambda r: r["doc_id"])
     return data, samples
 
@@ -131,16 +133,29 @@ def compare(reference: dict[str, list[dict]], other: dict[str, list[dict]]) -> d
                 "generations_differing": sum(a[d] != b[d] for d in common),
             }
         else:
-            diffs = [abs(x - y) for d in common for x, y in zip(a[d], b[d])]
+            diffs = [abs(x - y) for d in common for x, y in zip(a[d], b[d], strict=True)]
             report[task] = {
                 "docs": len(common),
                 "max_abs_loglikelihood_diff": max(diffs) if diffs else None,
-                "argmax_differing": sum(max(range(len(a[d])), key=a[d].__getitem__) != max(range(len(b[d])), key=b[d].__getitem__) for d in common),
+                "argmax_differing": sum(
+                    max(range(len(a[d])), key=a[d].__getitem__) != max(range(len(b[d])), key=b[d].__getitem__) for d in common
+                ),
             }
     return report
 
 
-def run_vllm(model: Path, plugin_on: bool, tasks, out_dir: Path, limit: int | None, kv_bytes: int, max_model_len: int, dtype: str, timeout_s: float, batch_size: str = "auto") -> tuple[dict, dict]:
+def run_vllm(
+    model: Path,
+    plugin_on: bool,
+    tasks,
+    out_dir: Path,
+    limit: int | None,
+    kv_bytes: int,
+    max_model_len: int,
+    dtype: str,
+    timeout_s: float,
+    batch_size: str = "auto",
+) -> tuple[dict, dict]:
     model_args = {
         "pretrained": model,
         "dtype": dtype,
@@ -155,7 +170,17 @@ def run_vllm(model: Path, plugin_on: bool, tasks, out_dir: Path, limit: int | No
     return _read_outputs(out_dir)
 
 
-def run_served(model: Path, plugin_on: bool, tasks, out_dir: Path, limit: int | None, kv_bytes: int, max_model_len: int, dtype: str, timeout_s: float) -> tuple[dict, dict]:
+def run_served(
+    model: Path,
+    plugin_on: bool,
+    tasks,
+    out_dir: Path,
+    limit: int | None,
+    kv_bytes: int,
+    max_model_len: int,
+    dtype: str,
+    timeout_s: float,
+) -> tuple[dict, dict]:
     from vllm_mimo.testing.server import VllmServer
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +232,10 @@ def evaluate(
     for run in runs:
         t0 = time.time()
         served, plugin_on = run.startswith("served"), run in ("on", "served")
-        log(f"[accuracy] run {run!r}: {'vllm serve + local-completions' if served else 'lm_eval --model vllm'}, plugin {'on' if plugin_on else 'off'}, dtype {dtype} ...")
+        log(
+            f"[accuracy] run {run!r}: {'vllm serve + local-completions' if served else 'lm_eval --model vllm'}, plugin "
+            f"{'on' if plugin_on else 'off'}, dtype {dtype} ..."
+        )
         if served:
             data, smp = run_served(model, plugin_on, tasks, out / run, limit, kv_bytes, max_model_len, dtype, timeout_s)
         else:
@@ -237,7 +265,16 @@ def evaluate(
 
 def format_table(report: dict) -> str:
     runs = list(report["runs"])
-    headers = ["task", "metric"] + [{"off": "plugin off", "on": "plugin on", "served": "served", "served-off": "served, plugin off", "off-serial": "plugin off, one at a time"}.get(r, r) for r in runs]
+    headers = ["task", "metric"] + [
+        {
+            "off": "plugin off",
+            "on": "plugin on",
+            "served": "served",
+            "served-off": "served, plugin off",
+            "off-serial": "plugin off, one at a time",
+        }.get(r, r)
+        for r in runs
+    ]
     rows = []
     for task in TASKS:
         for metric in METRICS[task]:
@@ -246,7 +283,10 @@ def format_table(report: dict) -> str:
                 continue
             rows.append([task, metric] + ["-" if v is None else f"{v:.4f}" for v in vals])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
     out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in rows]
     docs = ", ".join(f"{t}: {n} docs" for t, n in report["docs"].items())
@@ -258,7 +298,11 @@ def format_table(report: dict) -> str:
                 parts.append(f"{task}: {a['generations_differing']}/{a['docs']} generations differ")
             else:
                 d = a["max_abs_loglikelihood_diff"]
-                parts.append(f"{task}: max |d loglikelihood| {d:.2e}, {a['argmax_differing']} answers differ" if d is not None else f"{task}: no docs")
+                parts.append(
+                    f"{task}: max |d loglikelihood| {d:.2e}, {a['argmax_differing']} answers differ"
+                    if d is not None
+                    else f"{task}: no docs"
+                )
         out.append(f"  {run}: " + "; ".join(parts))
     return "\n".join(out)
 
@@ -267,12 +311,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder (default: the committed trained tiny MiMo)")
     p.add_argument("--limit", type=int, default=None, help="documents per task (default: all; e.g. 24 for a quick run)")
-    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated subset of {','.join(RUNS)} (the first is the reference; default: {','.join(DEFAULT_RUNS)})")
+    p.add_argument(
+        "--runs",
+        default=",".join(DEFAULT_RUNS),
+        help=f"comma-separated subset of {','.join(RUNS)} (the first is the reference; default: {','.join(DEFAULT_RUNS)})",
+    )
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated lm-eval tasks from eval/lm_eval_tasks")
     p.add_argument("--out", default=str(REPO / "out" / "accuracy"), help="folder for accuracy.json and lm-eval's outputs")
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM kv_cache_memory_bytes for every run")
     p.add_argument("--max-model-len", type=int, default=2048, help="vLLM max_model_len for every run")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="model dtype for every run (default: auto, the checkpoint's bf16; float32 makes every run's numbers independent of how requests were batched)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="model dtype for every run (default: auto, the checkpoint's bf16; float32 makes every run's numbers "
+             "independent of how requests were batched)",
+    )
     args = p.parse_args(argv)
     runs = tuple(r for r in args.runs.split(",") if r)
     if not runs or any(r not in RUNS for r in runs):

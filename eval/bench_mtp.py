@@ -179,9 +179,15 @@ def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences:
             if not quiet:
                 print(f"  prompt {prompt}: sequence {i + 1}/{len(seqs)} ({time.time() - t0:.0f} s)", file=sys.stderr)
         results[str(prompt)] = {
-            "drafters": {name: {b: s.summary() for b, s in sorted(by.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))} for name, by in stats.items()},
+            "drafters": {
+                name: {b: s.summary() for b, s in sorted(by.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))}
+                for name, by in stats.items()
+            },
             "agreement_warm_cold": asdict(agreement),
-            "fine": {name: {b: s.summary() for b, s in sorted(by.items(), key=lambda kv: int(kv[0].split("-")[0]))} for name, by in fine.items()},
+            "fine": {
+                name: {b: s.summary() for b, s in sorted(by.items(), key=lambda kv: int(kv[0].split("-")[0]))}
+                for name, by in fine.items()
+            },
         }
         results[str(prompt)]["ratios"] = ratios(results[str(prompt)]["drafters"])
     return results
@@ -210,7 +216,10 @@ def ratios(drafters: dict) -> dict:
 def print_tables(results: dict, sequences: int, continuation: int) -> None:
     for prompt, r in results.items():
         buckets = list(next(iter(r["drafters"].values())))
-        print(f"\nOracle, prompt {prompt} tokens, {sequences} held-out sequences, {continuation} continuation tokens: accepted drafts per target step (acceptance by draft position)")
+        print(
+            f"\nOracle, prompt {prompt} tokens, {sequences} held-out sequences, {continuation} continuation tokens: "
+            "accepted drafts per target step (acceptance by draft position)"
+        )
         print(f"{'drafter':<28}" + "".join(f"{b:>28}" for b in buckets))
         for name, by in r["drafters"].items():
             cells = []
@@ -229,12 +238,16 @@ def print_tables(results: dict, sequences: int, continuation: int) -> None:
         warm, cold = r["fine"]["distinct k=3 warm"], r["fine"]["distinct k=3 cold"]
         print(
             f"ours warm / cold by {FINE} output tokens in the first bucket: "
-            + ", ".join(f"{b} {warm[b]['accepted_per_step'] / cold[b]['accepted_per_step']:.2f}x" for b in warm if cold.get(b, {}).get("accepted_per_step"))
+            + ", ".join(
+                f"{b} {warm[b]['accepted_per_step'] / cold[b]['accepted_per_step']:.2f}x"
+                for b in warm
+                if cold.get(b, {}).get("accepted_per_step")
+            )
         )
         a = r["agreement_warm_cold"]
         print(
             "warm vs cold, steps past W-1 output tokens: differ before t*(W-1) "
-            + ", ".join(f"t={t + 1}: {d}/{c}" for t, (d, c) in enumerate(zip(a["differ_before"], a["compared"])))
+            + ", ".join(f"t={t + 1}: {d}/{c}" for t, (d, c) in enumerate(zip(a["differ_before"], a["compared"], strict=True)))
             + "; differ after (must be 0): "
             + ", ".join(str(d) for d in a["differ_after"])
         )
@@ -257,7 +270,7 @@ def record_drafts(cls, log: list) -> None:
         ends = [int(target_positions[i]) + 1 for i in last]
         out = propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                       next_token_ids, token_indices_to_sample, common_attn_metadata, *args, **kwargs)
-        log.extend([b, row] for b, row in zip(ends, out.tolist()))
+        log.extend([b, row] for b, row in zip(ends, out.tolist(), strict=True))
         return out
 
     cls.propose = wrapper
@@ -334,9 +347,18 @@ def engine_job(job: dict) -> dict:
         for prompt in job["prompts"]:  # one at a time: the drafts of a run belong to its prompt
             drafts.clear()
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            runs.append({"ids": list(out.outputs[0].token_ids), "drafts": list(drafts), "cached_tokens": out.num_cached_tokens or 0})
+            runs.append(
+                {"ids": list(out.outputs[0].token_ids), "drafts": list(drafts), "cached_tokens": out.num_cached_tokens or 0}
+            )
         after = counters()
-        delta = {name: (v - before.get(name, 0) if not isinstance(v, list) else [x - y for x, y in zip(v, before.get(name, [0] * len(v)))]) for name, v in after.items()}
+        delta = {
+            name: (
+                v - before.get(name, 0)
+                if not isinstance(v, list)
+                else [x - y for x, y in zip(v, before.get(name, [0] * len(v)), strict=True)]
+            )
+            for name, v in after.items()
+        }
         p = probe.get("p", [])
         results.append({
             "temperature": temperature,
@@ -398,7 +420,7 @@ def vllm_bench(folder: Path, prompts: list[int], continuation: int, sequences: i
         method = "distinct" if all_layers else "reuse"
         for res in result["results"]:
             runs = res["runs"]
-            for run, ids in zip(runs, all_prompts):
+            for run, ids in zip(runs, all_prompts, strict=True):
                 run["prompt"] = ids
             for p in prompts:
                 stats: dict[str, BucketStats] = {}
@@ -416,7 +438,9 @@ def vllm_bench(folder: Path, prompts: list[int], continuation: int, sequences: i
                             same += getattr(oracle, method)(b, k) == drafts
                 key = f"{p}/T={res['temperature']:g}"
                 out.setdefault(key, {})[name] = {
-                    "buckets": {b: s.summary() for b, s in sorted(stats.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))},
+                    "buckets": {
+                        b: s.summary() for b, s in sorted(stats.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))
+                    },
                     "steps": total,
                     "oracle_agreement": same / total if total else None,
                     "counters": res["counters"],
@@ -431,30 +455,58 @@ def print_vllm_tables(results: dict, oracle: dict) -> None:
     for key, engines in results.items():
         prompt, temp = key.split("/")
         buckets = [bucket_name(lo, hi) for lo, hi in BUCKETS]
-        print(f"\nvLLM, prompt {prompt} tokens, {temp}: accepted drafts per step (tokens per step); share of steps drafted as the oracle drafts")
+        print(
+            f"\nvLLM, prompt {prompt} tokens, {temp}: accepted drafts per step (tokens per step); share of steps "
+            "drafted as the oracle drafts"
+        )
         print(f"{'engine':<16}" + "".join(f"{b:>20}" for b in buckets) + f"{'oracle drafts':>16}")
         for name, r in engines.items():
-            cells = [f"{r['buckets'][b]['accepted_per_step']:.3f} ({r['buckets'][b]['tokens_per_step']:.2f})" if b in r["buckets"] else "-" for b in buckets]
+            cells = [
+                f"{r['buckets'][b]['accepted_per_step']:.3f} ({r['buckets'][b]['tokens_per_step']:.2f})"
+                if b in r["buckets"]
+                else "-"
+                for b in buckets
+            ]
             agree = f"{r['oracle_agreement']:.2%}" if r["oracle_agreement"] is not None else "-"
             print(f"{name:<16}" + "".join(f"{c:>20}" for c in cells) + f"{agree:>16}")
         if temp == "T=0":
             ref = oracle.get(prompt, {}).get("drafters", {})
             for name in ("reuse k=3", "distinct k=3 warm"):
                 if name in ref:
-                    cells = [f"{ref[name][b]['accepted_per_step']:.3f} ({ref[name][b]['tokens_per_step']:.2f})" if b in ref[name] else "-" for b in buckets]
+                    cells = [
+                        f"{ref[name][b]['accepted_per_step']:.3f} ({ref[name][b]['tokens_per_step']:.2f})"
+                        if b in ref[name]
+                        else "-"
+                        for b in buckets
+                    ]
                     print(f"{'oracle ' + name.split()[0]:<16}" + "".join(f"{c:>20}" for c in cells) + f"{'(held-out)':>16}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.bench_mtp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=Path("checkpoints/tiny-mimo-trained"), help="a trained MiMo folder with MTP layers (default: %(default)s)")
-    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 1024], help="prompt lengths P, each >= 2 (default: 256 1024)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=Path("checkpoints/tiny-mimo-trained"),
+        help="a trained MiMo folder with MTP layers (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-tokens", type=int, nargs="+", default=[256, 1024], help="prompt lengths P, each >= 2 (default: 256 1024)"
+    )
     p.add_argument("--continuation-tokens", type=int, default=384, help="output tokens drafted per sequence, >= 1 (default: 384)")
     p.add_argument("--sequences", type=int, default=16, help="held-out sequences per prompt length, >= 1 (default: 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the offsets in the held-out files (default: 0)")
-    p.add_argument("--vllm", action="store_true", help="also run vLLM (vllm k=1..3 and ours k=3) on the same prompts, greedy and sampled")
+    p.add_argument(
+        "--vllm", action="store_true", help="also run vLLM (vllm k=1..3 and ours k=3) on the same prompts, greedy and sampled"
+    )
     p.add_argument("--vllm-sequences", type=int, default=8, help="prompts per length for the vLLM runs, >= 1 (default: 8)")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.5], help="temperatures of the vLLM runs, each >= 0 (default: 0 0.5)")
+    p.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.5],
+        help="temperatures of the vLLM runs, each >= 0 (default: 0 0.5)",
+    )
     p.add_argument("--drafters", nargs="+", choices=[d[0] for d in DRAFTERS], metavar="NAME",
                    help="the oracle's drafters to run (default: all): " + ", ".join(repr(d[0]) for d in DRAFTERS))
     p.add_argument("--engines", nargs="+", choices=[e[0] for e in ENGINES], metavar="NAME",
@@ -482,15 +534,33 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--temperatures {args.temperatures}: each must be >= 0")
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there")
-    results = oracle_bench(args.model, args.prompt_tokens, args.continuation_tokens, args.sequences, args.seed, args.quiet, args.drafters)
+    results = oracle_bench(
+        args.model, args.prompt_tokens, args.continuation_tokens, args.sequences, args.seed, args.quiet, args.drafters
+    )
     print_tables(results, args.sequences, args.continuation_tokens)
     engines = {}
     if args.vllm:
-        engines = vllm_bench(args.model, args.prompt_tokens, args.continuation_tokens, args.vllm_sequences, args.seed, args.temperatures, args.quiet, args.engines)
+        engines = vllm_bench(
+            args.model,
+            args.prompt_tokens,
+            args.continuation_tokens,
+            args.vllm_sequences,
+            args.seed,
+            args.temperatures,
+            args.quiet,
+            args.engines,
+        )
         print_vllm_tables(engines, results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"model": str(args.model), "continuation_tokens": args.continuation_tokens, "sequences": args.sequences, "seed": args.seed, "oracle": results, "vllm": engines}
+        payload = {
+            "model": str(args.model),
+            "continuation_tokens": args.continuation_tokens,
+            "sequences": args.sequences,
+            "seed": args.seed,
+            "oracle": results,
+            "vllm": engines,
+        }
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
 

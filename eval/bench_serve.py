@@ -53,7 +53,9 @@ def _percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
-async def _drive(url: str, model: str, sessions: list[ChatSession], clients: int, duration_s: float, progress) -> tuple[list[float], int, float, dict]:
+async def _drive(
+    url: str, model: str, sessions: list[ChatSession], clients: int, duration_s: float, progress
+) -> tuple[list[float], int, float, dict]:
     """Replay the sessions; return TTFTs, output tokens, wall time and the answers by (session, turn)."""
     import httpx
 
@@ -107,7 +109,17 @@ async def _drive(url: str, model: str, sessions: list[ChatSession], clients: int
 SIDES = {"off": "plugin off", "on": "plugin on", "host": "host tier"}
 
 
-def run_side(side: str, model: str, kv_bytes: int, block_size: int, dtype: str, sessions: list[ChatSession], clients: int, duration_s: float, host_gib: float = 0.0) -> tuple[SideResult, dict]:
+def run_side(
+    side: str,
+    model: str,
+    kv_bytes: int,
+    block_size: int,
+    dtype: str,
+    sessions: list[ChatSession],
+    clients: int,
+    duration_s: float,
+    host_gib: float = 0.0,
+) -> tuple[SideResult, dict]:
     """One side's results ("off", "on", or "host": the plugin with a `host_gib` host tier), and
     its answers by (session, turn)."""
     from tqdm import tqdm
@@ -170,18 +182,41 @@ def _ratio(a: float, b: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.bench_serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS), help="chat workload (eval/workloads.py chat_sessions)")
+    parser.add_argument(
+        "--workload", required=True, choices=sorted(WORKLOADS), help="chat workload (eval/workloads.py chat_sessions)"
+    )
     parser.add_argument("--model", help="model folder (default: the trained tiny MiMo if present, else a fresh tiny mimo model)")
-    parser.add_argument("--kv-gib", type=float, default=0.015, help="KV cache size in GiB for both sides, > 0 (default: 0.015, tight for the bundled model so that caching decisions matter)")
+    parser.add_argument(
+        "--kv-gib",
+        type=float,
+        default=0.015,
+        help="KV cache size in GiB for both sides, > 0 (default: 0.015, tight for the bundled model so that caching "
+             "decisions matter)",
+    )
     parser.add_argument("--clients", type=int, default=4, help="requests in flight at most, >= 1 (default: 4)")
     parser.add_argument("--duration", type=float, default=120.0, help="no new turn after this many seconds, > 0 (default: 120)")
     parser.add_argument("--sessions", type=int, default=16, help="chat sessions to replay, >= 1 (default: 16)")
-    parser.add_argument("--block-size", type=int, default=32, help="KV block size for both sides, a multiple of 32 on CPU (default: 32; vLLM's CPU default is 128)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help="KV block size for both sides, a multiple of 32 on CPU (default: 32; vLLM's CPU default is 128)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="model dtype for both sides (default: auto, the checkpoint's bf16; float32 makes greedy answers independent of which prefix was cached, and needs twice the KV bytes, e.g. --kv-gib 0.03)")
-    parser.add_argument("--host-gib", type=float, default=0.0,
-                        help="compare the plugin without and with a host tier of this many GiB (host_tier_gib), >= 0 (default: 0, compare the plugin off and on)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="model dtype for both sides (default: auto, the checkpoint's bf16; float32 makes greedy answers "
+             "independent of which prefix was cached, and needs twice the KV bytes, e.g. --kv-gib 0.03)",
+    )
+    parser.add_argument(
+        "--host-gib",
+        type=float,
+        default=0.0,
+        help="compare the plugin without and with a host tier of this many GiB (host_tier_gib), >= 0 (default: 0, "
+             "compare the plugin off and on)",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     for name, value, ok, allowed in (
@@ -200,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = int(args.kv_gib * GIB)
     # The reference side first, then the side measured against it.
     base_side, test_side = ("on", "host") if args.host_gib else ("off", "on")
-    off, off_answers = run_side(base_side, model, kv_bytes, args.block_size, args.dtype, sessions, args.clients, args.duration, args.host_gib)
-    on, on_answers = run_side(test_side, model, kv_bytes, args.block_size, args.dtype, sessions, args.clients, args.duration, args.host_gib)
+    off, off_answers = run_side(
+        base_side, model, kv_bytes, args.block_size, args.dtype, sessions, args.clients, args.duration, args.host_gib
+    )
+    on, on_answers = run_side(
+        test_side, model, kv_bytes, args.block_size, args.dtype, sessions, args.clients, args.duration, args.host_gib
+    )
     names = (SIDES[base_side], SIDES[test_side])
     both = sorted(set(on_answers) & set(off_answers))
     same = sum(on_answers[k] == off_answers[k] for k in both)

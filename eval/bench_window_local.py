@@ -66,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.bench_window_local", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="a hybrid SWA model folder (default: the tiny MiMo, made in a temporary folder)")
     p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length in tokens, 2..8000 (default: 4096)")
-    p.add_argument("--chunks", type=int, nargs="+", default=[256, 1024, 4096], help="prefill chunk sizes in tokens, each >= 16 (default: 256 1024 4096)")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[256, 1024, 4096],
+        help="prefill chunk sizes in tokens, each >= 16 (default: 256 1024 4096)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed prefills per engine, >= 1 (default: 5)")
     p.add_argument("--rounds", type=int, default=1,
                    help="engine pairs per chunk size, started in alternating order, >= 1 (default: 1)")
@@ -107,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(args.rounds):
                 medians = {}
                 for path in PATHS if k % 2 == 0 else PATHS[::-1]:
-                    print(f"  chunk {chunk}, round {k + 1}/{args.rounds}, {path}: starting an engine", file=sys.stderr, flush=True)
+                    print(
+                        f"  chunk {chunk}, round {k + 1}/{args.rounds}, {path}: starting an engine", file=sys.stderr, flush=True
+                    )
                     job = {"model": str(model), "prompt": prompt, "chunk": chunk, "path": path, "repeats": args.repeats,
                            "max_model_len": 8192}
                     result = run_engine_job("eval.bench_window_local", job, timeout_s=1800)

@@ -64,7 +64,7 @@ def _context(lines: list[str], j: int, tok) -> str | None:
 def _load(files: list[Path], root: Path) -> list[tuple[str, list[str]]]:
     from eval.train_tiny import read_text
 
-    return [(str(p.relative_to(root)), [l.rstrip() for l in read_text(p).splitlines()]) for p in files]
+    return [(str(p.relative_to(root)), [line.rstrip() for line in read_text(p).splitlines()]) for p in files]
 
 
 def _line_contexts(docs, tok, rng: random.Random):
@@ -109,18 +109,18 @@ def build_choice(docs, tok, n: int, seed: int) -> list[dict]:
             if k != j and _usable(other) and other.strip() not in seen:
                 seen.add(other.strip())
                 pool.append(other)
-        same = [l for l in pool if l[: len(l) - len(l.lstrip())] == indent]
+        same = [line for line in pool if line[: len(line) - len(line.lstrip())] == indent]
         pool = same if len(same) >= 3 else pool
         if len(pool) < 3:
             continue
         # Similar length (2/3 .. 3/2 of the true line), so a summed loglikelihood cannot win by
         # preferring short lines; else the 3 closest in length.
         size = len(true.strip())
-        near = [l for l in pool if 2 / 3 <= len(l.strip()) / size <= 3 / 2]
+        near = [line for line in pool if 2 / 3 <= len(line.strip()) / size <= 3 / 2]
         if len(near) >= 3:
             distractors = rng.sample(near, 3)
         else:
-            distractors = sorted(pool, key=lambda l: abs(len(l.strip()) - size))[:3]
+            distractors = sorted(pool, key=lambda line: abs(len(line.strip()) - size))[:3]
         choices = distractors + [true]
         rng.shuffle(choices)
         out.append(

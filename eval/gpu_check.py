@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -89,7 +90,7 @@ def run_case(case: Case, backend: str, repeat: int) -> dict:
 
     torch.manual_seed(0)
     dev, dt, W, page = DEVICE, torch.bfloat16, case.window, case.page
-    lens = [c + q for c, q in zip(case.contexts, case.chunks)]
+    lens = [c + q for c, q in zip(case.contexts, case.chunks, strict=True)]
     pages_per = [(n + page - 1) // page for n in lens]
     num_pages = sum(pages_per) + 1  # page 0: the null page, never holding anyone's KV
     order = torch.randperm(num_pages - 1) + 1
@@ -120,12 +121,16 @@ def run_case(case: Case, backend: str, repeat: int) -> dict:
     ours_cache = cache(window_positions)
     stock_cache = cache(lambda r: torch.arange(lens[r], device=dev))
     qsl = torch.tensor([0, *torch.tensor(case.chunks).cumsum(0).tolist()], dtype=torch.int32)
-    new_k = torch.cat([k[c:] for k, c in zip(keys, case.contexts)])
-    new_v = torch.cat([v[c:] for v, c in zip(values, case.contexts)])
+    new_k = torch.cat([k[c:] for k, c in zip(keys, case.contexts, strict=True)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, case.contexts, strict=True)])
     workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=dev)
 
     split = plan_split(qsl, torch.tensor(lens), W, page)
-    page_ids = torch.stack([tables[int(r)][int(c)] for r, c in zip(split.page_request, split.page_column)]) if split.page_request.numel() else torch.zeros(0, dtype=torch.int64)
+    page_ids = (
+        torch.stack([tables[int(r)][int(c)] for r, c in zip(split.page_request, split.page_column, strict=True)])
+        if split.page_request.numel()
+        else torch.zeros(0, dtype=torch.int64)
+    )
     ours = SplitPrefill(workspace, "NHD", backend)
     ours.plan(
         split, qsl, page_ids.to(dev), num_qo_heads=case.heads, num_kv_heads=case.kv_heads, head_dim=case.head_dim,
@@ -133,10 +138,19 @@ def run_case(case: Case, backend: str, repeat: int) -> dict:
     )
     stock = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.zeros_like(workspace), "NHD", backend=backend)
     stock.plan(
-        qsl, torch.tensor([0, *torch.tensor(pages_per).cumsum(0).tolist()], dtype=torch.int32),
-        torch.cat(tables).to(dev, torch.int32), torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages_per)], dtype=torch.int32),
-        case.heads, case.kv_heads, case.head_dim, page, causal=True, window_left=W - 1, sm_scale=scale,
-        q_data_type=dt, kv_data_type=dt,
+        qsl,
+        torch.tensor([0, *torch.tensor(pages_per).cumsum(0).tolist()], dtype=torch.int32),
+        torch.cat(tables).to(dev, torch.int32),
+        torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages_per, strict=True)], dtype=torch.int32),
+        case.heads,
+        case.kv_heads,
+        case.head_dim,
+        page,
+        causal=True,
+        window_left=W - 1,
+        sm_scale=scale,
+        q_data_type=dt,
+        kv_data_type=dt,
     )
     got = ours.run(query, new_k, new_v, ours_cache, sinks)
     got_plain = ours.run(query, new_k, new_v, ours_cache, None)
@@ -245,7 +259,7 @@ def host_copy_check(case: CopyCase, repeat: int) -> dict:
         tag = 1 if kind == "window" else 2
         stored = buffer.store(copies(kind, src, tag))
         buffer.synchronize()
-        for n, kv in caches.items():  # the load must not read the request's own blocks
+        for kv in caches.values():  # the load must not read the request's own blocks
             kv[src] = 7.0
             kv[dst] = -3.0
         refused = buffer.load(copies(kind, dst, tag + 10)) is None
@@ -268,8 +282,8 @@ def host_copy_check(case: CopyCase, repeat: int) -> dict:
     for kind in ("window", "whole"):
         tag = 1 if kind == "window" else 2
         stores, loads = copies(kind, src, tag), copies(kind, dst, tag)
-        store = timed(lambda: buffer.store(stores))
-        load = timed(lambda: buffer.load(loads))
+        store = timed(partial(buffer.store, stores))
+        load = timed(partial(buffer.load, loads))
         gb = exact[kind]["bytes"] / 1e9
         result[kind] = {"bytes": exact[kind]["bytes"], "copies": len(stores) * case.layers,
                         "store": {**store, "GB_per_s": gb / (store["ms"] / 1e3)},
@@ -289,7 +303,10 @@ def _print_host_copy(row: dict) -> None:
         return
     print(f"\nhost tier copies: {row['device_blocks']} blocks of Full and SWA KV, {row['window_blocks']} SWA window "
           f"blocks; pinned {row['pinned']}; checks {row['checks']}")
-    print(f"{'copy':8} {'MiB':>8} {'copies':>7} {'store ms':>9} {'issue ms':>9} {'GB/s':>6} {'load ms':>9} {'issue ms':>9} {'GB/s':>6}")
+    print(
+        f"{'copy':8} {'MiB':>8} {'copies':>7} {'store ms':>9} {'issue ms':>9} {'GB/s':>6} {'load ms':>9} "
+        f"{'issue ms':>9} {'GB/s':>6}"
+    )
     for kind in ("window", "whole"):
         r = row[kind]
         print(f"{kind:8} {r['bytes'] / 2**20:8.1f} {r['copies']:7d} {r['store']['ms']:9.2f} {r['store']['issue_ms']:9.2f} "
@@ -318,7 +335,7 @@ def _prebuild(backend: str) -> float | str:
             for d in sorted({case.head_dim for case in CASES})
         ]
         build_jit_specs(specs, verbose=False)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         print(f"[gpu_check] prebuild failed ({type(error).__name__}: {error}); the plans build instead", flush=True)
         return f"{type(error).__name__}: {error}"
     took = time.perf_counter() - start
@@ -333,7 +350,7 @@ def _driver() -> str | None:
         pynvml.nvmlInit()
         version = pynvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else version
-    except Exception:  # noqa: BLE001 - information only
+    except Exception:
         return None
 
 
@@ -389,12 +406,16 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows.append(run_case(case, backend, args.repeat))
             except Exception as error:  # a backend that cannot run a case is reported, not fatal
-                rows.append({"case": asdict(case), "backend": backend, "error": f"{type(error).__name__}: {error}", "passed": False})
+                rows.append(
+                    {"case": asdict(case), "backend": backend, "error": f"{type(error).__name__}: {error}", "passed": False}
+                )
                 traceback.print_exc()
             rows[-1]["wall_s"] = time.perf_counter() - start  # the first case of a backend includes its JIT build
             print(f"[gpu_check]   done in {rows[-1]['wall_s']:.1f} s", flush=True)
             save()
-    print(f"\n{'case':28} {'be':4} {'err ref':>9} {'err stock':>9} {'neg ctl':>8} {'ours ms':>8} {'stock ms':>8} {'ratio':>6}  pass")
+    print(
+        f"\n{'case':28} {'be':4} {'err ref':>9} {'err stock':>9} {'neg ctl':>8} {'ours ms':>8} {'stock ms':>8} {'ratio':>6}  pass"
+    )
     for row in rows:
         if "error" in row:
             print(f"{row['case']['name']:28} {row['backend']:4} ERROR {row['error']}")

@@ -69,7 +69,7 @@ class MimoArgs:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, c: dict) -> "MimoArgs":
+    def from_config(cls, c: dict) -> MimoArgs:
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError("only silu MLPs are supported (as in vLLM's MiMoV2MLP)")
         if c.get("attention_bias", False):
@@ -356,7 +356,7 @@ class MimoReference(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def set_fast_attention(self, fast: bool = True) -> "MimoReference":
+    def set_fast_attention(self, fast: bool = True) -> MimoReference:
         """Use the chunked SWA / SDPA attention (same math, for training) or the plain one."""
         for module in self.modules():
             if isinstance(module, Attention):

@@ -63,7 +63,7 @@ class MtpOracle:
         return int(self.x[pos]) if pos <= n else drafts[pos - n - 1]
 
     @torch.no_grad()
-    def distinct(self, n: int, k: int, floor: int = 0, below: "str | MtpOracle" = "mask") -> list[int]:
+    def distinct(self, n: int, k: int, floor: int = 0, below: str | MtpOracle = "mask") -> list[int]:
         """Ours: layer m drafts token n+m+1 at slot n-1 (see the module docstring). Below `floor`
         the drafter's KV is `below`: "mask" (none), "zeros", or another sequence's oracle, whose
         drafter's KV at those slots the cache holds (a block another request left there)."""

@@ -2,7 +2,8 @@
 
     python -m eval.replay (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
         [--engines upstream-r0,upstream-dense,upstream-r512,swa-free,mimo,mimo-stock-attention]
-        [--host-gib H] [--host-gbps B] [--max-requests N] [--max-model-len TOKENS] [--prefill-chunk TOKENS] [--json OUT] [--plot OUT.png]
+        [--host-gib H] [--host-gbps B] [--max-requests N] [--max-model-len TOKENS]
+        [--prefill-chunk TOKENS] [--json OUT] [--plot OUT.png]
 
 No model is loaded. For each KV budget, every engine gets the `KVCacheConfig` vLLM builds for
 the layout at that budget (`swa-free`: the same number of blocks with the SWA groups removed;
@@ -54,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eval import sglang_peer
 from eval.layouts import (
     BLOCK_SIZE,
     LAYOUTS,
@@ -62,8 +64,6 @@ from eval.layouts import (
     model_less_vllm_config,
     with_retention,
 )
-from eval import sglang_peer
-from vllm_mimo.config import MimoConfig
 from eval.workloads import (
     WORKLOADS,
     ReplayRequest,
@@ -73,6 +73,7 @@ from eval.workloads import (
     segment_tokens,
     tokens,
 )
+from vllm_mimo.config import MimoConfig
 
 DEFAULT_ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo", "mimo-stock-attention")
 HOST_ENGINES = ("mimo-host", "mimo-host-dense", "upstream-offload")
@@ -250,7 +251,7 @@ def make_manager(
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(config, vllm_config)
     if engine == "swa-free":  # one group: its own (possibly scaled) block size
         scheduler_block_size = hash_block_size = config.kv_cache_groups[0].kv_cache_spec.block_size
-    common = dict(
+    common = dict(  # noqa: C408
         max_model_len=params.max_model_len,
         scheduler_block_size=scheduler_block_size,
         hash_block_size=hash_block_size,
@@ -258,7 +259,11 @@ def make_manager(
     if engine in PLUGIN_ENGINES:
         host = {}
         if engine in HOST_ENGINES:
-            host = {"host_pages": host_bytes // page_bytes(config), "host_dense": engine == "mimo-host-dense"}
+            host = {"host_pages": host_bytes // page_bytes(config)}
+            if engine == "mimo-host-dense":
+                from eval.host_dense import DenseHostTier
+
+                host["host_tier"] = DenseHostTier
         manager = (mimo_factory or HybridKVCacheManager)(
             config, max_num_running=params.max_running, window_local=engine != "mimo-stock-attention", **host, **common
         )
@@ -306,11 +311,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
              on_step: Callable[[], None] | None = None) -> RunResult:
     """Replay `requests` through one engine at one budget. `mimo_factory`: see `make_manager`;
     `on_step`: called after every simulated step."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+
     from vllm_mimo.compat import Request, RequestStatus, get_request_block_hasher, init_none_hash
     from vllm_mimo.engine.lookahead import QueueLookahead
     from vllm_mimo.engine.step_budget import StepBudget
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
 
     host_gib = (params.host_gib if params.host_gib is not None else 4 * kv_gib) if engine in HOST_ENGINES else 0.0
     is_sglang = sglang_peer.parse_engine(engine) is not None
@@ -616,7 +622,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         result.full_hit_tokens = m.full_cached_tokens
         result.pseudo_hit_tokens = m.pseudo_hit_tokens
         assert m.hit_tokens == result.hit_tokens, (m.hit_tokens, result.hit_tokens)
-        result.anchors = {"kept": dict(m.anchors_kept), "evicted": dict(m.anchors_evicted)}
+        result.anchors = {"kept": dict(m.anchors_placed), "evicted": dict(m.anchors_evicted)}
         result.prefill_steps_cut = step_budget.steps_cut if step_budget is not None else 0
         result.peak_swa_blocks_per_request = m.peak_swa_blocks_per_request
         result.peak_anchor_window_blocks_per_request = m.peak_anchor_window_blocks_per_request
@@ -666,7 +672,7 @@ def print_table(runs: list[RunResult]) -> None:
     baseline = {r.kv_gib: r for r in runs if r.engine == "upstream-r0"}
     header = (
         f"{'engine':<26}{'KV GiB':>8}{'blocks':>9}{'prompt':>11}{'ideal':>11}{'hit':>11}{'hit %':>7}"
-        f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'TTFT s':>8}{'p90':>8}{'us/call':>9}{'x r0':>7}{'skipped':>8}"
+        f"{'of ideal':>9}{'pseudo':>10}{'recomp.':>11}{'preempt':>8}{'TTFT s':>8}{'p90':>8}{'us/call':>9}{'x r0':>7}{'skipped':>8}"  # noqa: E501
         f"{'SWA/req':>8}"
     )
     print(header)
@@ -710,7 +716,9 @@ def add_source_arguments(parser: argparse.ArgumentParser, replay: bool = True) -
     """The arguments that say what to replay (shared with the other replay tools), and with
     `replay` the model layout to replay it on and how sessions are sent."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", type=Path, help="Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
+    source.add_argument(
+        "--trace", type=Path, help="Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)"
+    )
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload from eval/workloads.py")
     if replay:
         parser.add_argument("--layout", required=True, help=f"model layout: {', '.join(LAYOUTS)}")
@@ -718,12 +726,15 @@ def add_source_arguments(parser: argparse.ArgumentParser, replay: bool = True) -
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--scale", type=float, default=1.0, help="workload size multiplier, > 0 (default: 1.0)")
     parser.add_argument(
-        "--stretch", type=float, default=1.0, metavar="K",
+        "--stretch",
+        type=float,
+        default=1.0,
+        metavar="K",
         help="send every request at K times its timestamp, K > 0: a trace recorded on a cluster "
         "replayed at a load one engine keeps up with (default: 1.0, as recorded)",
     )
     if replay:
-        parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")
+        parser.add_argument("--open-loop", action="store_true", help="send every request at its timestamp, even a next turn whose previous answer is not complete yet (default: it waits for that answer)")  # noqa: E501
     parser.add_argument(
         "--max-model-len", type=int, default=SimParams.max_model_len, metavar="TOKENS",
         help=f"the engines' max_model_len, a multiple of {BLOCK_SIZE}; a request whose prompt and "
@@ -793,12 +804,15 @@ def main(argv: list[str] | None = None) -> int:
         help="host memory of the host-tier engines, > 0 (default: 4 x each --kv-gib budget)",
     )
     parser.add_argument(
-        "--host-gbps", type=float, default=SimParams.host_gbps, metavar="GB/S",
+        "--host-gbps",
+        type=float,
+        default=SimParams.host_gbps,
+        metavar="GB/S",
         help="host-to-device bandwidth of loads from the host tier, added to the step that loads, > 0 "
         f"(default: {SimParams.host_gbps:g}: PCIe 4.0 x16 with pinned memory moves about 25 GB/s; "
         "PCIe 5.0 about twice that)",
     )
-    parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")
+    parser.add_argument("--max-running", type=int, default=SimParams.max_running, help=f"cap on running requests (default: {SimParams.max_running})")  # noqa: E501
     parser.add_argument(
         "--step-prefill-floor", type=int, default=SimParams.step_prefill_floor, metavar="TOKENS",
         help="the plugin's step_prefill_floor_tokens: when KV memory is short its scheduler cuts "

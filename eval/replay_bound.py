@@ -29,14 +29,16 @@ import json
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from eval.workloads import ReplayRequest, tokens
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.anchors import Anchor, AnchorKind
+from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
 from vllm_mimo.block_manager.base import CacheObserver
+from vllm_mimo.block_manager.placement import AnchorPlacement
 from vllm_mimo.block_manager.prefix_tree import Node
 
 ENGINES = ("swa-free", "mimo", "clairvoyant-placement", "clairvoyant")
@@ -71,7 +73,7 @@ class Clairvoyance(CacheObserver):
         cache = self.manager.cache
         hasher = get_request_block_hasher(cache.block_size // cache.hash_stride, sha256)
         uses: dict[object, list[int]] = {}
-        for i, (request, hit) in enumerate(zip(self.requests, self.ideal)):
+        for i, (request, hit) in enumerate(zip(self.requests, self.ideal, strict=False)):
             if hit >= cache.block_size:
                 probe = Request(str(i), tokens(request.prompt), SamplingParams(max_tokens=1), None,
                                 arrival_time=0.0, block_hasher=hasher)
@@ -106,6 +108,28 @@ class Clairvoyance(CacheObserver):
         return max(tier, key=self.next_use)
 
 
+class ClairvoyantPlacement(AnchorPlacement):
+    """The plugin's anchor policy placing anchors only where `sight` says a later request's
+    hit ends (`Clairvoyance.worth_placing`), and with `belady`, evicting within each tier of
+    the eviction order (`AnchorSet.tiers`) the anchor used again last."""
+
+    def __init__(self, *args, sight: Clairvoyance, belady: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sight = sight
+        self.belady = belady
+
+    def keep(self, decisions: list[AnchorDecision]) -> Sequence[AnchorDecision]:
+        return [d for d in decisions if d.demote or self.sight.worth_placing(d.node, d.kind)]
+
+    def victim(self, anchors: AnchorSet, include_held: bool = False) -> Anchor | None:
+        if not self.belady:
+            return super().victim(anchors, include_held)
+        for tier in anchors.tiers(include_held):
+            if tier:
+                return self.sight.farthest(tier)
+        return None
+
+
 HIT_KINDS = (AnchorKind.OUTPUT_END, AnchorKind.PROMPT_TAIL, AnchorKind.PROMPT_END, AnchorKind.HOT,
              AnchorKind.BRANCH, AnchorKind.GRID, AnchorKind.RESUME, AnchorKind.DECLARED)
 """`HitsByKind`'s columns: an anchor of several kinds counts as the first of them here."""
@@ -138,10 +162,8 @@ def plugin_factory(requests: list[ReplayRequest], ideal: list[int], hits: HitsBy
             manager = HybridKVCacheManager(*args, observers=[hits], **kwargs)
         else:
             sight = Clairvoyance(requests, ideal)
-            manager = HybridKVCacheManager(
-                *args, observers=[sight, hits], anchor_filter=sight.worth_placing,
-                anchor_victim=sight.farthest if engine == "clairvoyant" else None, **kwargs,
-            )
+            policy = partial(ClairvoyantPlacement, sight=sight, belady=engine == "clairvoyant")
+            manager = HybridKVCacheManager(*args, observers=[sight, hits], anchor_policy=policy, **kwargs)
             sight.manager = manager
         hits.block_size = manager.cache.block_size
         return manager

@@ -58,7 +58,8 @@ def compare(before: Path, after: Path, pattern: str) -> tuple[list[str], int]:
 def table(before: Path, after: Path, pattern: str, engine: str) -> list[str]:
     """One Markdown row per budget of `engine` in both folders, and a closing line."""
     lines = [
-        "| file | KV GiB | hit before | hit after | after ÷ before | TTFT s before / after | p90 before / after | preemptions before / after |",
+        "| file | KV GiB | hit before | hit after | after ÷ before | TTFT s before / after | p90 before / after | "
+        "preemptions before / after |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     worst: tuple[float, str] | None = None
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", type=Path, help="folder of eval.replay JSON files (the reference)")
     parser.add_argument("after", type=Path, help="folder of eval.replay JSON files to compare with it")
     parser.add_argument("--pattern", default="replay-*.json", help="file names to compare (default: replay-*.json)")
-    parser.add_argument("--table", metavar="ENGINE", help="print ENGINE's hits, TTFT and preemptions before and after, point by point, instead of the differences")
+    parser.add_argument(
+        "--table",
+        metavar="ENGINE",
+        help="print ENGINE's hits, TTFT and preemptions before and after, point by point, instead of the differences",
+    )
     args = parser.parse_args(argv)
     for folder in (args.before, args.after):
         if not folder.is_dir():

@@ -31,16 +31,25 @@ from pathlib import Path
 
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.block_manager.anchors import Anchor
+from vllm_mimo.block_manager.placement import AnchorPlacement
 
 AGAINST = ("mimo-lru", "mimo-stock-attention", "swa-free")
 
 
+class LruPlacement(AnchorPlacement):
+    """The plugin's anchor policy with every anchor worth 0: its live anchors go least recently
+    used first, the order before issue 18."""
+
+    def worth(self, anchor: Anchor) -> float:
+        return 0.0
+
+
 def lru_factory() -> Callable[..., HybridKVCacheManager]:
-    """The plugin's manager with every anchor worth 0: its live anchors go least recently used
-    first, the order before issue 18."""
+    """The plugin's manager with `LruPlacement`."""
 
     def make(*args, **kwargs) -> HybridKVCacheManager:
-        return HybridKVCacheManager(*args, anchor_worth=lambda anchor: 0.0, **kwargs)
+        return HybridKVCacheManager(*args, anchor_policy=LruPlacement, **kwargs)
 
     return make
 
@@ -67,18 +76,20 @@ def summarize(runs: list[RunResult], center: RunResult) -> dict:
 
 
 def print_table(points: list[dict], engines: tuple[str, str]) -> None:
-    print("| KV GiB | engine | hit tokens, mean | hits: single budgets ÷ G's | TTFT s, mean | TTFT: single ÷ G's | p90 s, mean | p90: single ÷ G's |")
+    print(
+        "| KV GiB | engine | hit tokens, mean | hits: single budgets ÷ G's | TTFT s, mean | TTFT: single ÷ G's | p90 s, mean | p90: single ÷ G's |"  # noqa: E501
+    )
     print("|---:|---|---:|---|---:|---|---:|---|")
     for point in points:
         for engine in engines:
             s = point["engines"][engine]
             print(
-                f"| {point['kv_gib']:g} | {engine} | {s['hit_tokens']:,.0f} | {s['hit_tokens_spread'][0]:.3f}..{s['hit_tokens_spread'][1]:.3f} "
+                f"| {point['kv_gib']:g} | {engine} | {s['hit_tokens']:,.0f} | {s['hit_tokens_spread'][0]:.3f}..{s['hit_tokens_spread'][1]:.3f} "  # noqa: E501
                 f"| {s['ttft_mean_s']:.4f} | {s['ttft_mean_spread'][0]:.3f}..{s['ttft_mean_spread'][1]:.3f} "
                 f"| {s['ttft_p90_s']:.3f} | {s['ttft_p90_spread'][0]:.3f}..{s['ttft_p90_spread'][1]:.3f} |"
             )
         r = point["mimo_over_other"]
-        print(f"| {point['kv_gib']:g} | mimo ÷ {engines[1]} | {r['hit_tokens']:.3f} | | {r['ttft_mean_s']:.3f} | | {r['ttft_p90_s']:.3f} | |")
+        print(f"| {point['kv_gib']:g} | mimo ÷ {engines[1]} | {r['hit_tokens']:.3f} | | {r['ttft_mean_s']:.3f} | | {r['ttft_p90_s']:.3f} | |")  # noqa: E501
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replay_sensitivity: {source.name}, {len(requests)} requests, layout {args.layout}", file=sys.stderr)
     engines = ("mimo", args.against)
     # (the replay's engine, a manager factory) per engine compared
-    setups = {"mimo": ("mimo", None), "mimo-lru": ("mimo", lru_factory()), "mimo-stock-attention": ("mimo-stock-attention", None), "swa-free": ("swa-free", None)}
+    setups = {"mimo": ("mimo", None), "mimo-lru": ("mimo", lru_factory()), "mimo-stock-attention": ("mimo-stock-attention", None), "swa-free": ("swa-free", None)}  # noqa: E501
     points, all_runs = [], []
     for kv_gib in args.kv_gib:
         nearby = budgets(kv_gib, args.spread, args.steps)

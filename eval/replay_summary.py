@@ -18,8 +18,9 @@ with its host tier (`mimo-host`), storing SWA tails whole (`mimo-host-dense`), v
 and `swa-free`'s (at device + host bytes) fractions of the ideal; SWA tokens stored per anchor;
 bytes loaded per restored token and mean TTFT (host tier / upstream-offload).
 
-`--peers`: the plugin against both peers, per (source, budget) of each file and the
-`-sglang.json` that `eval/run_replay_suite.sh` writes beside it: the best upstream setting,
+`--peers`: the plugin against both peers, per (source, budget) of each file, with the
+`-sglang.json` that `eval/run_replay_suite.sh` writes beside it and a `-mimo.json` (the plugin's
+rows rerun alone, which replace the file's own) merged over it: the best upstream setting,
 SGLang as it ships at each ratio and with its unified pool (and its best without the
 waiting-prefix refresh), `swa-free`, the plugin, its ratios to the best of each peer and to
 `swa-free`, and whether the point meets issue 42's targets (>= both peers' best, and >= 0.8 of
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 UPSTREAM = ("upstream-r0", "upstream-dense", "upstream-r512")
@@ -40,12 +42,19 @@ FREE_SHARE = 0.8
 """The plugin's target share of `swa-free`, where `swa-free` reaches half the ideal."""
 
 
-def summary_rows(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    source = Path(data["source"]).stem
+def runs_by_budget(*paths: Path) -> dict[float, dict[str, dict]]:
+    """The runs of `paths` by budget and engine, read in order: a later file's run replaces an
+    earlier one's with the same (kv_gib, engine), so a rerun of one engine overrides its rows."""
     by_budget: dict[float, dict[str, dict]] = {}
-    for run in data["runs"]:
-        by_budget.setdefault(run["kv_gib"], {})[run["engine"]] = run
+    for path in paths:
+        for run in json.loads(path.read_text())["runs"]:
+            by_budget.setdefault(run["kv_gib"], {})[run["engine"]] = run
+    return by_budget
+
+
+def summary_rows(path: Path) -> list[str]:
+    source = Path(json.loads(path.read_text())["source"]).stem
+    by_budget = runs_by_budget(path)
     rows = []
     for gib in sorted(by_budget):
         runs = by_budget[gib]
@@ -77,13 +86,10 @@ def summary_rows(path: Path) -> list[str]:
 
 
 def host_rows(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    source = Path(data["source"]).stem
+    source = Path(json.loads(path.read_text())["source"]).stem
     reference = json.loads(path.with_name(path.stem + "-swa-free-5x.json").read_text())
     free = {run["kv_gib"]: run for run in reference["runs"]}
-    by_budget: dict[float, dict[str, dict]] = {}
-    for run in data["runs"]:
-        by_budget.setdefault(run["kv_gib"], {})[run["engine"]] = run
+    by_budget = runs_by_budget(path)
     rows = []
     for gib in sorted(by_budget):
         runs = by_budget[gib]
@@ -94,61 +100,115 @@ def host_rows(path: Path) -> list[str]:
             f"| {source} | {gib:g} | {host['host_gib']:g} | {ideal:,} | {mimo['hit_tokens']:,} | {host['hit_tokens']:,} | "
             f"{dense['hit_tokens']:,} | {offload['hit_tokens']:,} | {host['hit_tokens'] / max(offload['hit_tokens'], 1):.3f} | "
             f"{host['hit_tokens'] / max(dense['hit_tokens'], 1):.3f} | {host['hit_tokens'] / ideal:.3f} | "
-            f"{reference_run['hit_tokens'] / ideal:.3f} | {host['host_swa_tokens_per_anchor']:.0f} / {dense['host_swa_tokens_per_anchor']:.0f} | "
+            f"{reference_run['hit_tokens'] / ideal:.3f} | "
+            f"{host['host_swa_tokens_per_anchor']:.0f} / {dense['host_swa_tokens_per_anchor']:.0f} | "
             f"{host['bytes_loaded_per_restored_token'] / 1024:.0f} / {offload['bytes_loaded_per_restored_token'] / 1024:.0f} | "
             f"{host['ttft_mean_s']:.2f} / {offload['ttft_mean_s']:.2f} / {mimo['ttft_mean_s']:.2f} |"
         )
     return rows
 
 
-def _runs_by_budget(path: Path) -> dict[float, dict[str, dict]]:
-    by_budget: dict[float, dict[str, dict]] = {}
-    for run in json.loads(path.read_text())["runs"]:
-        by_budget.setdefault(run["kv_gib"], {})[run["engine"]] = run
-    return by_budget
+def peer_files(path: Path) -> list[Path]:
+    """`path` (a plugin-side replay file) and the files merged over it, in merge order: its
+    `-sglang.json` (SGLang's engines) and its `-mimo.json` (a rerun of the plugin's rows alone,
+    which replaces the plugin's rows of `path`), where they exist."""
+    beside = [path.with_name(f"{path.stem}-{suffix}.json") for suffix in ("sglang", "mimo")]
+    return [path, *(p for p in beside if p.exists())]
+
+
+@dataclass(frozen=True)
+class PeerPoint:
+    """One (source, budget) of the plugin against upstream, SGLang and `swa-free`."""
+
+    source: str
+    stretch: float
+    kv_gib: float
+    ideal: int
+    plugin: dict
+    hits: dict[str, int]
+    """Hit tokens of every engine run at this point."""
+    best_upstream: str | None
+    best_sglang: str | None
+    free: dict | None
+    runs: dict[str, dict]
+    """Every engine's run at this point, the merged files' included."""
+
+    def over(self, engine: str | None) -> float | None:
+        """The plugin's hit tokens over `engine`'s, None where it did not run or hit nothing."""
+        return self.plugin["hit_tokens"] / self.hits[engine] if engine and self.hits.get(engine) else None
+
+    @property
+    def free_counts(self) -> bool:
+        """Whether issue 42's share-of-`swa-free` target applies: `swa-free` reaches half the ideal."""
+        return self.free is not None and self.free["hit_tokens"] >= self.ideal / 2
+
+    @property
+    def met(self) -> bool:
+        """Issue 42's targets: >= both peers' best, and >= 0.8 of `swa-free` where it counts."""
+        mine = self.plugin["hit_tokens"]
+        return all(
+            [
+                self.best_upstream is None or mine >= self.hits[self.best_upstream],
+                self.best_sglang is None or mine >= self.hits[self.best_sglang],
+                not self.free_counts or mine >= FREE_SHARE * self.free["hit_tokens"],
+            ]
+        )
+
+
+def peer_points(path: Path, runs: dict[float, dict[str, dict]] | None = None) -> list[PeerPoint]:
+    """One point per budget of `path` where the plugin ran, with the files of `peer_files` merged
+    (or `runs`, already merged)."""
+    data = json.loads(path.read_text())
+    source, stretch = Path(data["source"]).stem, data.get("stretch", 1.0)
+    runs = runs if runs is not None else runs_by_budget(*peer_files(path))
+    points = []
+    for gib in sorted(runs):
+        at = runs[gib]
+        if "mimo" not in at:
+            continue
+        hits = {engine: run["hit_tokens"] for engine, run in at.items()}
+        points.append(
+            PeerPoint(
+                source=source,
+                stretch=stretch,
+                kv_gib=gib,
+                ideal=at["mimo"]["ideal_hit_tokens"],
+                plugin=at["mimo"],
+                hits=hits,
+                best_upstream=max((e for e in UPSTREAM if e in hits), key=hits.__getitem__, default=None),
+                best_sglang=max((e for e in SGLANG if e in hits), key=hits.__getitem__, default=None),
+                free=at.get("swa-free"),
+                runs=at,
+            )
+        )
+    return points
 
 
 def peer_rows(path: Path) -> list[str]:
-    """One row per budget of `path` (a plugin-side replay file) with its `-sglang.json`."""
-    source = Path(json.loads(path.read_text())["source"]).stem
-    ours = _runs_by_budget(path)
-    sglang_path = path.with_name(path.stem + "-sglang.json")
-    theirs = _runs_by_budget(sglang_path) if sglang_path.exists() else {}
+    """One row per budget of `path` (a plugin-side replay file) with the files of `peer_files`."""
     rows = []
-    for gib in sorted(ours):
-        runs = {**theirs.get(gib, {}), **ours[gib]}
-        if "mimo" not in runs:
-            continue
-        mimo, free = runs["mimo"], runs.get("swa-free")
-        hits = {engine: run["hit_tokens"] for engine, run in runs.items()}
-        best_up = max((e for e in UPSTREAM if e in hits), key=hits.__getitem__, default=None)
-        best_sg = max((e for e in SGLANG if e in hits), key=hits.__getitem__, default=None)
+    for point in peer_points(path):
+        hits, at = point.hits, point.runs
 
-        def cell(engine: str) -> str:
+        def cell(engine: str, hits: dict[str, int] = hits) -> str:
             return f"{hits[engine]:,}" if engine in hits else "-"
 
-        def ratio(engine: str | None) -> str:
-            return f"{mimo['hit_tokens'] / hits[engine]:.2f}" if engine and hits[engine] else "-"
+        def ratio(engine: str | None, point: PeerPoint = point) -> str:
+            value = point.over(engine)
+            return f"{value:.2f}" if value is not None else "-"
 
-        ideal = mimo["ideal_hit_tokens"]
-        free_counts = free is not None and free["hit_tokens"] >= ideal / 2
-        met = all(
-            [
-                best_up is None or mimo["hit_tokens"] >= hits[best_up],
-                best_sg is None or mimo["hit_tokens"] >= hits[best_sg],
-                not free_counts or mimo["hit_tokens"] >= FREE_SHARE * free["hit_tokens"],
-            ]
-        )
-        sg_ttft = f"{runs[best_sg]['ttft_mean_s']:.2f}" if best_sg else "-"
+        up, sg, free = point.best_upstream, point.best_sglang, point.free
         rows.append(
-            f"| {source} | {gib:g} | {ideal:,} | "
-            + (f"{hits[best_up]:,} ({best_up.removeprefix('upstream-')}) | " if best_up else "- | ")
+            f"| {point.source} | {point.kv_gib:g} | {point.ideal:,} | "
+            + (f"{hits[up]:,} ({up.removeprefix('upstream-')}) | " if up else "- | ")
             + " | ".join(cell(e) for e in SGLANG)
-            + f" | {' / '.join(cell(e) for e in SGLANG_NOREFRESH)} | {cell('swa-free')} | {mimo['hit_tokens']:,} | "
-            f"{ratio(best_up)} | {ratio(best_sg)} | {ratio('swa-free' if free else None)} | "
-            f"{free['hit_tokens'] / ideal:.2f} | " if free else "- | "
+            + f" | {' / '.join(cell(e) for e in SGLANG_NOREFRESH)} | {cell('swa-free')} | {point.plugin['hit_tokens']:,} | "
+            f"{ratio(up)} | {ratio(sg)} | {ratio('swa-free' if free else None)} | "
+            + (f"{free['hit_tokens'] / point.ideal:.2f} | " if free else "- | ")
+            + f"{point.plugin['ttft_mean_s']:.2f} / "
+            + (f"{at[sg]['ttft_mean_s']:.2f}" if sg else "-")
+            + f" | {'yes' if point.met else '**no**'} |"
         )
-        rows[-1] += f"{mimo['ttft_mean_s']:.2f} / {sg_ttft} | {'yes' if met else '**no**'} |"
     return rows
 
 
@@ -171,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for path in args.files:
-            if path.stem.endswith("-sglang"):
+            if path.stem.endswith(("-sglang", "-mimo")):
                 continue
             for row in peer_rows(path):
                 print(row)

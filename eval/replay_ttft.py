@@ -75,8 +75,11 @@ def split(a: RunResult, b: RunResult, step_s: float = SimParams.decode_s_per_ste
 def print_table(a: RunResult, b: RunResult, shares: dict[str, Share]) -> None:
     print(f"A = {a.engine}, B = {b.engine} at {a.kv_gib:g} GiB: mean TTFT {a.ttft_mean_s:.6f} s against "
           f"{b.ttft_mean_s:.6f} s ({a.ttft_mean_s / b.ttft_mean_s:.4f}x), hit tokens {a.hit_tokens:,} against {b.hit_tokens:,}")
-    print("| requests | count | hit tokens, A - B | mean TTFT, A - B (ms) | of it: wait for the first step | first step to first token "
-          "| admitted later / earlier | of them half a step or more apart |")
+    print(
+        "| requests | count | hit tokens, A - B | mean TTFT, A - B (ms) | of it: wait for the first step | first step "
+        "to first token "
+        "| admitted later / earlier | of them half a step or more apart |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     total = Share(*(sum(getattr(s, f) for s in shares.values()) for f in Share.__dataclass_fields__))
     for group, s in [*shares.items(), ("all", total)]:

@@ -14,7 +14,8 @@ CPUs, spread by 10-45% (eval/RESULTS.md, issue 18).
 
 Prints, per budget, each revision's µs per call and its ratio to the first revision's, and
 which revisions' counts (`eval.replay_compare.COUNTS`: hits, TTFT, preemptions, ...) are the
-same (a change meant only to be faster must make the same decisions); writes the same as JSON. Exit status 0, 1 if a replay failed, 2 on bad input.
+same (a change meant only to be faster must make the same decisions); writes the same as JSON.
+Exit status 0, 1 if a replay failed, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ def compare_runs(revisions: list[Revision], results: list[list[dict]]) -> list[d
             {
                 "engine": key[0],
                 "kv_gib": key[1],
-                "us_per_call": {rev.name: run["mean_us_per_call"] for rev, run in zip(revisions, runs)},
-                "ratio_to_first": {rev.name: run["mean_us_per_call"] / base["mean_us_per_call"] for rev, run in zip(revisions, runs)},
+                "us_per_call": {rev.name: run["mean_us_per_call"] for rev, run in zip(revisions, runs, strict=False)},
+                "ratio_to_first": {
+                    rev.name: run["mean_us_per_call"] / base["mean_us_per_call"] for rev, run in zip(revisions, runs, strict=False)  # noqa: E501
+                },
                 "same_counts": _same_counts(revisions, runs),
-                "hit_tokens": {rev.name: run["hit_tokens"] for rev, run in zip(revisions, runs)},
+                "hit_tokens": {rev.name: run["hit_tokens"] for rev, run in zip(revisions, runs, strict=False)},
             }
         )
     return points
@@ -113,18 +116,18 @@ def compare_runs(revisions: list[Revision], results: list[list[dict]]) -> list[d
 def _same_counts(revisions: list[Revision], runs: list[dict]) -> list[list[str]]:
     """The revisions whose runs have the same counts, in groups of two or more."""
     groups: dict[tuple, list[str]] = {}
-    for rev, run in zip(revisions, runs):
+    for rev, run in zip(revisions, runs, strict=False):
         groups.setdefault(tuple(json.dumps(run.get(k), sort_keys=True) for k in COUNTS), []).append(rev.name)
     return [names for names in groups.values() if len(names) > 1]
 
 
 def table(revisions: list[Revision], points: list[dict]) -> list[str]:
-    head = ["engine", "KV GiB", *(f"{r.name} µs/call" for r in revisions), *(f"{r.name} ÷ {revisions[0].name}" for r in revisions[1:])]
+    head = ["engine", "KV GiB", *(f"{r.name} µs/call" for r in revisions), *(f"{r.name} ÷ {revisions[0].name}" for r in revisions[1:])]  # noqa: E501
     lines = ["| " + " | ".join(head) + " | the same counts |", "|" + "---|" * 2 + "---:|" * (len(head) - 2) + "---|"]
     for p in points:
         us, ratio = p["us_per_call"], p["ratio_to_first"]
         same = "; ".join(" = ".join(names) for names in p["same_counts"]) or "none"
-        cells = [p["engine"], f"{p['kv_gib']:g}", *(f"{us[r.name]:.1f}" for r in revisions), *(f"{ratio[r.name]:.3f}" for r in revisions[1:])]
+        cells = [p["engine"], f"{p['kv_gib']:g}", *(f"{us[r.name]:.1f}" for r in revisions), *(f"{ratio[r.name]:.3f}" for r in revisions[1:])]  # noqa: E501
         lines.append("| " + " | ".join(cells) + f" | {same} |")
     return lines
 
@@ -141,12 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Arguments after `--` go to eval.replay (the input, --layout, --kv-gib, ...); --engines "
         "is set from --engine here, --quiet and --json by this tool.",
     )
-    parser.add_argument("--rev", action="append", required=True, metavar="REV",
-                        help="a git revision to measure, or '.' for the working tree; twice or more (ratios are to the first)")
+    parser.add_argument(
+        "--rev",
+        action="append",
+        required=True,
+        metavar="REV",
+        help="a git revision to measure, or '.' for the working tree; twice or more (ratios are to the first)",
+    )
     cpus = sorted(os.sched_getaffinity(0))
-    parser.add_argument("--cpu", type=int, default=cpus[-1], help=f"the CPU every replay is pinned to, one of {cpus} (default: {cpus[-1]})")
+    parser.add_argument("--cpu", type=int, default=cpus[-1], help=f"the CPU every replay is pinned to, one of {cpus} (default: {cpus[-1]})")  # noqa: E501
     parser.add_argument("--engine", default="mimo", help="the eval.replay engine to time (default: mimo)")
-    parser.add_argument("--no-gc", action="store_true", help="turn Python's garbage collector off in the replays (default: on, as served)")
+    parser.add_argument("--no-gc", action="store_true", help="turn Python's garbage collector off in the replays (default: on, as served)")  # noqa: E501
     parser.add_argument("--json", type=Path, help="write the points as JSON here")
     args = parser.parse_args(argv)
     if len(args.rev) < 2:
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         done = run_together(folders, replay_args, args.cpu, not args.no_gc, tmp_path)
         print(f"done in {time.monotonic() - start:.0f} s", flush=True)
-        for rev, proc in zip(revisions, done):
+        for rev, proc in zip(revisions, done, strict=False):
             if proc.returncode:
                 print(f"error: the replay of {rev.name} exited with {proc.returncode}:\n{proc.stderr[-2000:]}", file=sys.stderr)
                 return 2 if proc.returncode == 2 else 1  # 2: the replay refused its arguments

@@ -169,19 +169,19 @@ def load() -> types.SimpleNamespace:
             from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_req
             from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker
             from sglang.srt.mem_cache import allocation, common
+            from sglang.srt.mem_cache.allocator import paged, unified_sub_pool
             from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
             from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+            from sglang.srt.mem_cache.kv_cache_configurator import _should_enable_lazy_compaction
             from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
             from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
             from sglang.srt.mem_cache.unified_cache.components import ComponentType
+            from sglang.srt.mem_cache.unified_memory_pool import init_unified_swa_pools
             from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
             from sglang.srt.model_executor import pool_configurator
             from sglang.srt.model_executor.forward_batch_info import ForwardMode
             from sglang.srt.runtime_context import get_context
             from sglang.srt.sampling.sampling_params import SamplingParams
-            from sglang.srt.mem_cache.kv_cache_configurator import _should_enable_lazy_compaction
-            from sglang.srt.mem_cache.unified_memory_pool import init_unified_swa_pools
-            from sglang.srt.mem_cache.allocator import paged, unified_sub_pool
         except ImportError as e:
             raise SGLangUnavailable(f"SGLang's cache code does not import from {SITE} ({e}): run `{INSTALL_COMMAND}`") from e
     logging.getLogger("sglang").setLevel(logging.ERROR)  # retraction warnings, one per event
@@ -214,10 +214,10 @@ def _install_server_args(spec: PeerSpec, token_budget: int) -> None:
     global _override
     if _override is not None:
         _override.restore()
-    fields = dict(
-        attention_backend="torch_native", device="cpu", page_size=PAGE_SIZE,
-        enable_unified_memory=spec.ratio is None, chunked_prefill_size=token_budget,
-    )
+    fields = {
+        "attention_backend": "torch_native", "device": "cpu", "page_size": PAGE_SIZE,
+        "enable_unified_memory": spec.ratio is None, "chunked_prefill_size": token_budget,
+    }
     if spec.ratio is not None:
         fields["swa_full_tokens_ratio"] = spec.ratio
     _override = sg.get_context().override_server_args(**fields)
@@ -505,7 +505,9 @@ class SGLangPeer:
         chunked = n < len(sreq.full_untruncated_fill_ids) - sreq.prefix_len
         sreq.extend_end = sreq.prefix_len + n
         sreq.lock = self.cache.lock(sreq.last_node)
-        self._step_budget().reserve(n, 0 if chunked else min(sreq.sampling_params.max_new_tokens, self.clip_max_new_tokens), chunk_limit=n)
+        self._step_budget().reserve(
+            n, 0 if chunked else min(sreq.sampling_params.max_new_tokens, self.clip_max_new_tokens), chunk_limit=n
+        )
         self._extend(sreq)
         return _ALLOCATED
 

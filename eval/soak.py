@@ -32,7 +32,6 @@ import random
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,7 +158,7 @@ class Soak:
                     return None
                 choice = r.json()["choices"][0]
                 answer, ids = choice["message"]["content"] or "", choice.get("token_ids") or []
-        except Exception as e:  # noqa: BLE001 - any failure of a plain turn is what the soak looks for
+        except Exception as e:
             self._unexpected(f"turn: {type(e).__name__}: {e}")
             return None
         if len(ids) != max_tokens:
@@ -172,14 +171,16 @@ class Soak:
         """Stream a long answer and go away after its first chunks."""
         self.result.requests += 1
         try:
-            async with client.stream("POST", self.url + "/v1/chat/completions", json=self._body(messages, 200, True), timeout=600) as r:
+            async with client.stream(
+                "POST", self.url + "/v1/chat/completions", json=self._body(messages, 200, True), timeout=600
+            ) as r:
                 chunks = 0
                 async for line in r.aiter_lines():
                     chunks += line.startswith("data: ")
                     if chunks >= 3:
                         break
             self.result.aborted_mid_stream += 1
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._unexpected(f"disconnect: {type(e).__name__}: {e}")
 
     async def cancel(self, client, messages: list[dict]) -> None:
@@ -192,7 +193,7 @@ class Soak:
             self.result.completed += 1  # answered within 50 ms: not cancelled after all
         except httpx.TimeoutException:
             self.result.cancelled += 1
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._unexpected(f"cancel: {type(e).__name__}: {e}")
 
     async def bad_input(self, client, rng: random.Random, messages: list[dict]) -> None:
@@ -211,7 +212,7 @@ class Soak:
         self.result.requests += 1
         try:
             r = await client.post(self.url + "/v1/chat/completions", json=body, timeout=600)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._unexpected(f"{reason}: {type(e).__name__}: {e}")
             return
         try:
@@ -304,11 +305,13 @@ def run(model: str, minutes: float, sessions: int, kv_gib: float, host_gib: floa
     result.held_blocks_after = after.get("vllm:mimo_held_blocks", -1)
     result.integrity_checks = int(after.get("vllm:mimo_integrity_checks_total", 0))
     result.integrity_violations = int(after.get("vllm:mimo_integrity_violations_total", 0))
-    print(f"[soak] replaying {len(turns)} completed turns on the plugin off (about 30 s to start) ...", file=sys.stderr, flush=True)
+    print(
+        f"[soak] replaying {len(turns)} completed turns on the plugin off (about 30 s to start) ...", file=sys.stderr, flush=True
+    )
     with VllmServer(*_server_args(model, kv_bytes), env={"VLLM_MIMO_ENABLE": "0"}) as off:
         reference = asyncio.run(_replay(off.url, turns))
     result.compared = len(turns)
-    result.differing = sum(turn["ids"] != ids for turn, ids in zip(turns, reference))
+    result.differing = sum(turn["ids"] != ids for turn, ids in zip(turns, reference, strict=True))
     return result
 
 

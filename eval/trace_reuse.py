@@ -18,6 +18,7 @@ import statistics
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from pathlib import Path
 
 from eval.replay import add_source_arguments, load_source
@@ -66,15 +67,15 @@ def next_use_seconds(requests: list[ReplayRequest]) -> list[float | None]:
 def bands_of(requests: list[ReplayRequest], edges: tuple[int, ...]) -> list[Band]:
     """One `Band` per interval between `edges` (ascending token counts), counted."""
     bounds = (0, *edges)
-    bands = [Band(lo, hi) for lo, hi in zip(bounds, (*edges, None))]
+    bands = [Band(lo, hi) for lo, hi in zip(bounds, (*edges, None), strict=True)]
     gaps: list[list[float]] = [[] for _ in bands]
-    for request, seconds in zip(requests, next_use_seconds(requests)):
+    for request, seconds in zip(requests, next_use_seconds(requests), strict=True):
         b = bisect_right(edges, request.prompt_len)
         bands[b].requests += 1
         if seconds is not None:
             bands[b].continued += 1
             gaps[b].append(seconds)
-    for band, seconds in zip(bands, gaps):
+    for band, seconds in zip(bands, gaps, strict=True):
         if len(seconds) >= 2:
             band.seconds_p25, band.seconds_median, band.seconds_p75 = statistics.quantiles(seconds, n=4)
         elif seconds:
@@ -87,7 +88,7 @@ def _edges(text: str) -> tuple[int, ...]:
         edges = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--bands must be comma-separated token counts, got {text!r}") from None
-    if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+    if not edges or edges[0] < 1 or any(b <= a for a, b in pairwise(edges)):
         raise argparse.ArgumentTypeError(f"--bands must be positive and ascending, got {text!r}")
     return edges
 

@@ -247,32 +247,64 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size, special tokens included")
     g.add_argument("--hidden-size", type=int, default=256, help="model width")
     g.add_argument("--intermediate-size", type=int, default=512, help="MLP width (SiLU-gated)")
-    g.add_argument("--layers", type=int, default=7, help="main decoder layers; layer i is full attention when i %% 7 == 0, else SWA")
+    g.add_argument(
+        "--layers", type=int, default=7, help="main decoder layers; layer i is full attention when i %% 7 == 0, else SWA"
+    )
     g.add_argument("--mtp-layers", type=int, default=3, help="MTP layers (model.mtp.layers.*) trained and exported")
     g = p.add_argument_group("data")
-    g.add_argument("--split-seed", type=int, default=SPLIT_SEED, help="seed of the by-file train / held-out split of the stdlib sources")
-    g.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION, help="fraction of files held out (never trained on, tokenizer included)")
-    g.add_argument("--tokenizer-bytes", type=int, default=4_000_000, help="characters of train text the BPE tokenizer is trained on")
-    g.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (windows at random offsets of the train stream)")
+    g.add_argument(
+        "--split-seed", type=int, default=SPLIT_SEED, help="seed of the by-file train / held-out split of the stdlib sources"
+    )
+    g.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=HELDOUT_FRACTION,
+        help="fraction of files held out (never trained on, tokenizer included)",
+    )
+    g.add_argument(
+        "--tokenizer-bytes", type=int, default=4_000_000, help="characters of train text the BPE tokenizer is trained on"
+    )
+    g.add_argument(
+        "--seq-len", type=int, default=512, help="tokens per training sequence (windows at random offsets of the train stream)"
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=1600, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step (tokens per step = batch-size * seq-len)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.05, help="final learning rate as a fraction of --lr (cosine decay)")
     g.add_argument("--warmup-steps", type=int, default=100, help="linear warmup steps")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (not on norms, sinks, embeddings)")
+    g.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (not on norms, sinks, embeddings)"
+    )
     g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     g.add_argument("--mtp-weight", type=float, default=0.3, help="loss weight of each MTP head (the main head has weight 1)")
     g.add_argument("--seed", type=int, default=1234, help="seed for weight init and batch sampling")
     g = p.add_argument_group("runtime")
-    g.add_argument("--threads", type=int, default=0, help="torch threads; 0: measure 1 thread against all CPUs every 50 steps and use the faster (best when the cores are shared)")
-    g.add_argument("--state", default="out/train_tiny_state.pt", help="training state (weights, optimizer, sampler) saved every --save-every steps, for --resume")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads; 0: measure 1 thread against all CPUs every 50 steps and use the faster (best when the "
+             "cores are shared)",
+    )
+    g.add_argument(
+        "--state",
+        default="out/train_tiny_state.pt",
+        help="training state (weights, optimizer, sampler) saved every --save-every steps, for --resume",
+    )
     g.add_argument("--save-every", type=int, default=100, help="save the training state every N steps (0: never)")
-    g.add_argument("--resume", action="store_true", help="continue from --state if it exists (same settings required); the result equals an uninterrupted run up to thread-count numerics")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --state if it exists (same settings required); the result equals an uninterrupted run up to "
+             "thread-count numerics",
+    )
     g.add_argument("--log-every", type=int, default=20, help="print a progress line every N steps")
     g.add_argument("--eval-every", type=int, default=400, help="held-out check (a subset) every N steps; 0: only at the end")
     g.add_argument("--eval-chunks", type=int, default=32, help="held-out sequences used by the periodic check")
-    g.add_argument("--final-eval-chunks", type=int, default=0, help="held-out sequences for the final metrics (0: the whole held-out split)")
+    g.add_argument(
+        "--final-eval-chunks", type=int, default=0, help="held-out sequences for the final metrics (0: the whole held-out split)"
+    )
     return p
 
 
@@ -342,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     max_start = len(train_stream) - args.seq_len
     log(
         f"training {args.steps} steps x {tokens_per_step} tokens = {args.steps * tokens_per_step / 1e6:.1f}M tokens "
-        f"({args.steps * tokens_per_step / len(train_stream):.2f} epochs), threads: {args.threads or 'adaptive 1..' + str(os.cpu_count())}"
+        f"({args.steps * tokens_per_step / len(train_stream):.2f} epochs), threads: "
+        f"{args.threads or 'adaptive 1..' + str(os.cpu_count())}"
     )
 
     state_path = Path(args.state)
@@ -386,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             t_window, tokens_window = now, 0
             left = (args.steps - done) * (now - t_train) / done
             heads = " ".join(
-                ["main %.3f" % running[0]] + [f"mtp{k} {running[k]:.3f}" for k in range(1, len(running))]
+                [f"main {running[0]:.3f}"] + [f"mtp{k} {running[k]:.3f}" for k in range(1, len(running))]
             )
             log(
                 f"step {done}/{args.steps} | {done * tokens_per_step / 1e6:.2f}M tok | {tps:,.0f} tok/s "
@@ -456,8 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(perplexity {final['main_perplexity']:.2f}), top-1 {final['main_top1']:.1%} vs unigram top-1 "
         f"{uni['top1']:.1%} (unigram loss {uni['loss']:.3f})"
     )
-    for k, (l, a) in enumerate(zip(final["mtp_loss"], final["mtp_top1"]), 1):
-        log(f"held-out MTP head {k} (predicts token i+{k + 1}): loss {l:.3f}, top-1 {a:.1%}")
+    for k, (loss, top1) in enumerate(zip(final["mtp_loss"], final["mtp_top1"], strict=True), 1):
+        log(f"held-out MTP head {k} (predicts token i+{k + 1}): loss {loss:.3f}, top-1 {top1:.1%}")
     return 0
 
 

@@ -87,16 +87,21 @@ class UpstreamOffload:
 
         output = SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=ids) for rid, ids in new.items()],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached), new_block_ids=list(cached.values()), resumed_req_ids=resumed),
-            num_scheduled_tokens=scheduled, finished_req_ids=self._finished, preempted_req_ids=preempted,
-            kv_cache_block_copies=None, kv_connector_block_state=None,
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=list(cached), new_block_ids=list(cached.values()), resumed_req_ids=resumed
+            ),
+            num_scheduled_tokens=scheduled,
+            finished_req_ids=self._finished,
+            preempted_req_ids=preempted,
+            kv_cache_block_copies=None,
+            kv_connector_block_state=None,
         )
         self._finished = set()
         meta = self.connector.build_connector_meta(output)
         done = set(self._stores_in_flight)
         self._stores_in_flight = set(meta.store_jobs)
         loaded = 0
-        for job_id, job in meta.store_jobs.items():
+        for job_id, job in meta.store_jobs.items():  # noqa: B007
             self.bytes_stored += len(job.src_spec.block_ids) * self.block_bytes
         for job_id, job in meta.load_jobs.items():
             loaded += len(job.dst_spec.block_ids) * self.block_bytes
@@ -106,6 +111,6 @@ class UpstreamOffload:
         recving = {self._loads.pop(j) for j in list(done) if j in self._loads}
         self.connector.update_connector_output(KVConnectorOutput(
             finished_recving=recving,
-            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs={j: 1 for j in done}) if done else None,
+            kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1)) if done else None,
         ))
         return recving, loaded

@@ -365,7 +365,9 @@ def chat_sessions(name: str, seed: int = 0, sessions: int = 8, span_s: float = 2
         start = float(rng.uniform(0, span_s))
         kind = name if name != "mixed" else ("shared-system-prompt", "agent-sessions", "one-shot")[i % 3]
         if kind == "shared-system-prompt":
-            turns = tuple((_text(rng, int(rng.integers(15, 60))), int(rng.integers(20, 80))) for _ in range(int(rng.integers(3, 5))))
+            turns = tuple(
+                (_text(rng, int(rng.integers(15, 60))), int(rng.integers(20, 80))) for _ in range(int(rng.integers(3, 5)))
+            )
             out.append(ChatSession(start, systems[int(rng.integers(len(systems)))], turns))
         elif kind == "agent-sessions":
             turns = ((_text(rng, 40), 40),) + tuple(("Tool result: " + _text(rng, 120), 30) for _ in range(3))

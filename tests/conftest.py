@@ -26,7 +26,7 @@ BASE_LLM_KWARGS = {
 }
 
 
-def pytest_configure(config) -> None:  # noqa: ANN001
+def pytest_configure(config) -> None:
     """Under `make test`'s two test processes (pytest-xdist), each process's engines get a core of
     their own and one OpenMP thread: two engines spinning on the same cores ran 2-3x slower
     each. vLLM's own binding for its worker process (`VLLM_CPU_OMP_THREADS_BIND`), OpenMP's for

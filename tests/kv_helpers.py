@@ -1,18 +1,24 @@
-"""Small real vLLM KV cache configs and requests for driving KV managers without a model."""
+"""Small real vLLM KV cache configs and requests for driving KV managers without a model, and the
+helpers the manager tests share (a manager, a request run through it, a path of tree nodes)."""
 
 from __future__ import annotations
 
 import torch
 
+from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.block_manager.host_tier import HostTier
+from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree
 from vllm_mimo.compat import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     Request,
+    RequestStatus,
     SlidingWindowSpec,
     get_request_block_hasher,
     init_none_hash,
 )
+from vllm_mimo.config import MimoConfig
 
 BLOCK = 16
 
@@ -29,7 +35,7 @@ def kv_config(
 
     Block sizes other than BLOCK: how vLLM sizes blocks where one kind of layer has fewer KV
     heads (MiMo-V2-Flash's Full layers), so that every group's page has the same bytes."""
-    common = dict(num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    common = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16}
     groups = [
         KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], FullAttentionSpec(block_size=full_block, **common))
         for i in range(full_groups)
@@ -47,6 +53,7 @@ _HASHER = None
 
 
 def make_request(request_id: str, tokens: list[int], max_tokens: int = 8, extra_args: dict | None = None) -> Request:
+    """A vLLM request for `tokens` with block hashes of BLOCK tokens (`extra_args`: e.g. anchor hints)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
 
@@ -56,3 +63,69 @@ def make_request(request_id: str, tokens: list[int], max_tokens: int = 8, extra_
         _HASHER = get_request_block_hasher(BLOCK, sha256)
     params = SamplingParams(max_tokens=max_tokens, extra_args=extra_args)
     return Request(request_id, list(tokens), params, None, block_hasher=_HASHER)
+
+
+SYSTEM = list(range(1000, 1000 + 10 * BLOCK))  # 10 blocks
+"""A 10-block shared system prompt that the manager tests branch from."""
+
+
+def manager(
+    num_blocks: int = 400, *, window_local: bool = False, host_pages: int = 0, host_tier: type[HostTier] = HostTier, **config
+) -> HybridKVCacheManager:
+    """A manager over `kv_config(num_blocks)` (two SWA groups, window 32, four running requests)
+    with `config` as its MimoConfig fields; grid anchors off unless `grid_anchor_tokens` says."""
+    return HybridKVCacheManager(
+        kv_config(num_blocks), 4096, BLOCK, BLOCK, max_num_running=4, window_local=window_local,
+        host_pages=host_pages, host_tier=host_tier,
+        mimo_config=MimoConfig(**{"grid_anchor_tokens": 0, **config}),
+    )
+
+
+def run(manager, request, output: list[int], chunk: int = 10_000) -> int:
+    """Admit, prefill in chunks, decode `output`, finish; return the hit at admission."""
+    blocks, hit, _ = manager.get_computed_blocks(request)
+    n = min(request.num_tokens - hit, chunk)
+    assert manager.allocate_slots(request, n, hit, blocks) is not None
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = hit + n
+    manager.check_integrity()
+    while request.num_computed_tokens < request.num_tokens:
+        n = min(request.num_tokens - request.num_computed_tokens, chunk)
+        assert manager.allocate_slots(request, n) is not None
+        request.num_computed_tokens += n
+        manager.check_integrity()
+    for token in output:
+        request.append_output_token_ids(token)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        manager.check_integrity()
+    request.status = RequestStatus.FINISHED_STOPPED
+    manager.free(request)
+    manager.check_integrity()
+    return hit
+
+
+def chain(tree: PrefixTree, n: int, swa: set[int] | None = None, prefix: str = "h") -> list[Node]:
+    """A path of `n` nodes below the root, hashes `{prefix}0`...: Full blocks 100, 101, ... by
+    depth, SWA blocks 200, 201, ... on the depths in `swa` (on all of them when None)."""
+    nodes, parent = [], tree.root
+    for i in range(n):
+        node = tree.child(parent, f"{prefix}{i}")
+        tree.set_full(node, (100 + i,))
+        if swa is None or i in swa:
+            node.swa_blocks = (200 + i,)
+        nodes.append(node)
+        parent = node
+    return nodes
+
+
+def prometheus_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What the plugin's Prometheus collector reports now (from the snapshots the engines wrote),
+    by (sample name, its labels sorted)."""
+    from vllm_mimo import metrics
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.MimoCollector().collect()
+        for s in family.samples
+    }

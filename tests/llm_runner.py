@@ -119,7 +119,7 @@ def main() -> None:
     def refused(specs):
         try:
             generate(specs)
-        except Exception as e:  # noqa: BLE001 - the error is the result
+        except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"}
         return {"error": None}
 
@@ -131,9 +131,9 @@ def main() -> None:
     if "sessions" in job:
         history = [list(job["sessions"]["system"]) for _ in job["sessions"]["turns"][0]]
         for messages in job["sessions"]["turns"]:
-            prompts = [h + m for h, m in zip(history, messages)]
+            prompts = [h + m for h, m in zip(history, messages, strict=True)]
             results = generate(prompts)
-            history = [p + r["ids"] for p, r in zip(prompts, results)]
+            history = [p + r["ids"] for p, r in zip(prompts, results, strict=True)]
             turns.append(results)
     script = run_script(llm, job["script"], job["max_tokens"]) if "script" in job else {}
     workers = llm.collective_rpc(worker_report)

@@ -23,7 +23,11 @@ def test_out_of_range_arguments_name_the_value_and_the_range(flag, value, allowe
     with pytest.raises(SystemExit) as exit_info:
         bench_serve.main(["--workload", "shared-system-prompt", flag, value])
     assert exit_info.value.code == 2
-    assert f"{flag} {float(value) if flag in ('--kv-gib', '--duration', '--host-gib') else value} is out of range; allowed: {allowed}" in capsys.readouterr().err
+    assert (
+        f"{flag} {float(value) if flag in ('--kv-gib', '--duration', '--host-gib') else value} is out of range; "
+        f"allowed: {allowed}"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.engine

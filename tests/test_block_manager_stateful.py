@@ -29,8 +29,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from eval.host_dense import DenseHostTier
 from tests.kv_helpers import BLOCK, kv_config, make_request
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.block_manager.host_tier import HostTier
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
 
@@ -70,7 +72,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m = HybridKVCacheManager(
             kv_config(num_blocks, window=WINDOW, full_block=full_block, swa_block=swa_block), 4096,
             max(block_sizes), BLOCK, max_num_running=3, mimo_config=config, use_eagle=eagle,
-            window_local=window_local, host_pages=host_pages, host_dense=host_dense,
+            window_local=window_local, host_pages=host_pages, host_tier=DenseHostTier if host_dense else HostTier,
         )
         self.waiting: list = []
         self.running: list = []
@@ -163,7 +165,7 @@ class ManagerMachine(RuleBasedStateMachine):
         cached (`HybridKVCache.take_stores`)."""
         for kind, copy in self.m.cache.take_stores():
             if not copy.device:  # a dense tier (a measuring variant) counts SWA KV the device lacks
-                assert self.m.cache.host.dense and kind == "swa", (kind, copy)
+                assert isinstance(self.m.cache.host, DenseHostTier) and kind == "swa", (kind, copy)
                 continue
             assert copy.host and len(self.m.host_copies(kind, copy)) == len(copy.host) == len(copy.device), (kind, copy)
 
@@ -210,7 +212,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 node = tree.nodes.get(req.block_hashes[key]) if key < len(req.block_hashes) else None
                 for groups, kind in ((geo.full_group_ids, "full"), (geo.swa_group_ids, "swa")):
                     blocks = tuple(
-                        i for gid in groups for i in ids[gid][pos * geo.blocks_per_position(gid) : (pos + 1) * geo.blocks_per_position(gid)]
+                        i
+                        for gid in groups
+                        for i in ids[gid][pos * geo.blocks_per_position(gid) : (pos + 1) * geo.blocks_per_position(gid)]
                     )
                     if kind == "swa" and not any(blocks):
                         continue  # outside the SWA mask: the null block in every SWA group
@@ -270,8 +274,8 @@ class ManagerMachine(RuleBasedStateMachine):
         bs, geo = self.m.block_size, self.m.geometry
         start, end = hit // bs, (hit + external) // bs
         ids = self.m.get_block_ids(req.request_id)
-        full_ids = [tuple(i for gid in geo.full_group_ids for i in ids[gid][p * geo.blocks_per_position(gid) : (p + 1) * geo.blocks_per_position(gid)]) for p in range(end)]
-        swa_ids = [tuple(i for gid in geo.swa_group_ids for i in ids[gid][p * geo.blocks_per_position(gid) : (p + 1) * geo.blocks_per_position(gid)]) for p in range(end)]
+        full_ids = [tuple(i for gid in geo.full_group_ids for i in ids[gid][p * geo.blocks_per_position(gid) : (p + 1) * geo.blocks_per_position(gid)]) for p in range(end)]  # noqa: E501
+        swa_ids = [tuple(i for gid in geo.swa_group_ids for i in ids[gid][p * geo.blocks_per_position(gid) : (p + 1) * geo.blocks_per_position(gid)]) for p in range(end)]  # noqa: E501
         assert [c.device for c in plan.swa] == swa_ids[max(start, end - geo.window_blocks) : end]
         assert [c.device for c in plan.full] == full_ids[end - len(plan.full) : end]
         for copy in [*plan.full, *plan.swa]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.kv_helpers import manager
 from vllm_mimo.config import MimoConfig, MimoConfigError, markdown_table
 
 
@@ -161,7 +162,9 @@ def test_window_local_on_cuda_selects_the_plugins_backend_for_swa_layers(tiny_mo
     with pytest.raises(MimoConfigError, match=r"CUSTOM attention backend, which is registered as 'someone.else.Backend'"):
         attention_backends.configure(vllm_config, window_local)
     monkeypatch.setattr(attention_backends, "_has_flashinfer", lambda: False)
-    with pytest.raises(MimoConfigError, match=r"window-local' on CUDA needs the flashinfer package .* use 'stock' or leave it null"):
+    with pytest.raises(
+        MimoConfigError, match=r"window-local' on CUDA needs the flashinfer package .* use 'stock' or leave it null"
+    ):
         attention_backends.configure(vllm_config, window_local)
 
 
@@ -180,18 +183,27 @@ def test_window_local_on_cuda_with_different_kv_head_sizes_needs_the_plugins_dif
     monkeypatch.setattr(attention_backends, "_has_flashinfer", lambda: False)
     monkeypatch.setattr(attention_backends, "_diffkv_path", lambda: attention_backends._DIFFKV_BACKEND)
     sizes = r"\(swa_head_dim \d+, swa_v_head_dim 8\)"
-    with pytest.raises(MimoConfigError, match=rf"different K and V head sizes {sizes} needs FlashAttention 3 or 4 .*TRITON_ATTN_DIFFKV"):
+    with pytest.raises(
+        MimoConfigError, match=rf"different K and V head sizes {sizes} needs FlashAttention 3 or 4 .*TRITON_ATTN_DIFFKV"
+    ):
         attention_backends.configure(vllm_config, window_local)  # this machine: no FlashAttention
     backend = compat.FlashAttentionDiffKVBackend
-    monkeypatch.setattr(backend, "is_supported_on_current_device", classmethod(lambda cls, head_size, head_size_v, has_sinks: True))
+    monkeypatch.setattr(
+        backend, "is_supported_on_current_device", classmethod(lambda cls, head_size, head_size_v, has_sinks: True)
+    )
     assert attention_backends.configure(vllm_config, window_local) == "window-local"
     assert not vllm_config.attention_config.backend_per_kind
     monkeypatch.setattr(vllm_config.attention_config, "backend", compat.AttentionBackendEnum.TRITON_ATTN_DIFFKV)
-    with pytest.raises(MimoConfigError, match=rf"{sizes} on FLASH_ATTN_DIFFKV, but attention_config.backend is TRITON_ATTN_DIFFKV"):
+    with pytest.raises(
+        MimoConfigError, match=rf"{sizes} on FLASH_ATTN_DIFFKV, but attention_config.backend is TRITON_ATTN_DIFFKV"
+    ):
         attention_backends.configure(vllm_config, window_local)
     monkeypatch.setattr(vllm_config.attention_config, "backend", None)
     monkeypatch.setattr(attention_backends, "_diffkv_path", lambda: "someone.else.Backend")
-    with pytest.raises(MimoConfigError, match=rf"plugin's FLASH_ATTN_DIFFKV backend {sizes}, but that name is registered as 'someone.else.Backend'"):
+    with pytest.raises(
+        MimoConfigError,
+        match=rf"plugin's FLASH_ATTN_DIFFKV backend {sizes}, but that name is registered as 'someone.else.Backend'",
+    ):
         attention_backends.configure(vllm_config, window_local)
 
 
@@ -237,7 +249,10 @@ def test_pin_file_needs_prefix_caching(tiny_models, tmp_path):
     "section,message",
     [
         ({"host_tier_gib": -1}, r"host_tier_gib=-1.0 is out of range; allowed: 0.0 <= value <= 1048576.0"),
-        ({"host_tier_gib": 100000}, r"host_tier_gib=100000 is more than this machine's memory \(\d+\.\d GiB\); allowed: 0 <= host_tier_gib <= "),
+        (
+            {"host_tier_gib": 100000},
+            r"host_tier_gib=100000 is more than this machine's memory \(\d+\.\d GiB\); allowed: 0 <= host_tier_gib <= ",
+        ),
         ({"host_tier_gib": "4"}, r"host_tier_gib='4' has type str; expected float"),
     ],
 )
@@ -255,7 +270,9 @@ def test_host_tier_installs_the_plugins_connector_and_refuses_another(tiny_model
     assert transfer.kv_load_failure_policy == "recompute"
     assert _engine_config(tiny_models["mimo"]).kv_transfer_config is None  # off by default
     other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-    with pytest.raises(Exception, match=r"host_tier_gib=0.5 installs the plugin's KV connector .* already names ExampleConnector"):
+    with pytest.raises(
+        Exception, match=r"host_tier_gib=0.5 installs the plugin's KV connector .* already names ExampleConnector"
+    ):
         _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, kv_transfer_config=other)
     with pytest.raises(Exception, match=r"host_tier_gib=0.5 needs prefix caching"):
         _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, enable_prefix_caching=False)
@@ -274,12 +291,6 @@ def test_cache_control_must_be_anthropics_ephemeral_marker():
             anchor_prefixes([{"role": "user", "content": [{"type": "text", "text": "u", "cache_control": bad}]}], False)
 
 
-def test_anchor_hints_come_as_an_object_or_its_json_text():
-    from vllm_mimo.block_manager.placement import AnchorHintError, declared_anchors
-
-    assert declared_anchors({"mimo": {"anchors": [128, 256], "pin": True}}) == ([128, 256], True)
-    assert declared_anchors({"mimo": '{"anchors": [128]}'}) == ([128], False)  # HTTP's vllm_xargs
-    with pytest.raises(AnchorHintError, match=r'extra_args\["mimo"\] is a string but not JSON'):
-        declared_anchors({"mimo": "anchors: 128"})
-    with pytest.raises(AnchorHintError, match=r'\["anchors"\] must be a list of positive token positions'):
-        declared_anchors({"mimo": '{"anchors": "after the system prompt"}'})
+def test_split_too_small_for_one_window_is_a_startup_error():
+    with pytest.raises(MimoConfigError, match="fewer than one request's window"):
+        manager(num_blocks=400, swa_pool_fraction=0.01)

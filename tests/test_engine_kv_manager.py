@@ -101,7 +101,7 @@ def test_swa_layers_only_get_swa_pool_blocks_and_full_layers_full_pool_blocks(si
     kinds = worker["group_kinds"]
     seen = {"FullAttentionSpec": set(), "SlidingWindowSpec": set()}
     for groups in worker["block_ids"]:
-        for kind, ids in zip(kinds, groups):
+        for kind, ids in zip(kinds, groups, strict=True):
             seen[kind].update(i for i in ids if i != 0)  # 0: vLLM's null block
     assert seen["FullAttentionSpec"] and seen["SlidingWindowSpec"]
     assert all(i >= boundary for i in seen["FullAttentionSpec"])
@@ -177,7 +177,7 @@ def test_groups_with_different_block_sizes_and_mtp_run_on_the_manager_with_the_s
     (line,) = on.log_lines("vllm-mimo: KV pools:")
     assert "block size 128/256" in line
     worker = on.workers[0]
-    sizes = dict(zip(worker["group_kinds"], worker["block_sizes"]))
+    sizes = dict(zip(worker["group_kinds"], worker["block_sizes"], strict=True))
     assert sizes == {"FullAttentionSpec": 2 * BLOCK, "SlidingWindowSpec": BLOCK}
     assert on.batches[1][0]["cached"] > 0 and on.mimo["pools"]["full"]["evicted_blocks"] > 0
     assert on.mimo["spec_decode"], "no drafts were made"

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kv_helpers import BLOCK, kv_config, make_request
+from eval.host_dense import DenseHostTier
+from tests.kv_helpers import BLOCK, kv_config, make_request, manager, prometheus_samples
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
+from vllm_mimo.block_manager.host_tier import HostTier, host_full
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
 
 
 def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False, grid: int = 0) -> HybridKVCacheManager:
-    return HybridKVCacheManager(
-        kv_config(num_blocks), 4096, BLOCK, BLOCK, max_num_running=4,
-        mimo_config=MimoConfig(grid_anchor_tokens=grid), host_pages=host_pages, host_dense=host_dense,
-    )
+    """`kv_helpers.manager` with the host tests' defaults: 40 blocks, so that the device evicts
+    soon; `host_dense`: eval's `DenseHostTier`."""
+    tier = DenseHostTier if host_dense else HostTier
+    return manager(num_blocks, host_pages=host_pages, host_tier=tier, grid_anchor_tokens=grid)
 
 
 def _run(manager, request, output: list[int]) -> tuple[int, int]:
@@ -85,11 +87,11 @@ def test_the_load_plan_names_the_host_pages_and_the_requests_new_blocks():
     blocks, hit, _ = m.get_computed_blocks(turn)
     external = m.host_extension(turn)
     nodes = [m.cache.tree.nodes[turn.block_hashes[p]] for p in range((hit + external) // BLOCK)]
-    host_full = [n.host_full for n in nodes[hit // BLOCK :]]
-    host_swa = [n.host_swa for n in nodes[-m.geometry.window_blocks :]]
+    full_copies = [n.host.full for n in nodes[hit // BLOCK :]]
+    swa_copies = [n.host.swa for n in nodes[-m.geometry.window_blocks :]]
     assert m.allocate_slots(turn, turn.num_tokens - hit - external, hit, blocks, num_external_computed_tokens=external)
     plan = m.cache.take_load("s2")
-    assert [c.host for c in plan.full] == host_full and [c.host for c in plan.swa] == host_swa
+    assert [c.host for c in plan.full] == full_copies and [c.host for c in plan.swa] == swa_copies
     # The loaded positions are the tree's again, on the device, in the request's new blocks.
     assert [c.device for c in plan.full] == [n.full_blocks for n in nodes[hit // BLOCK :]]
     assert [c.device for c in plan.swa] == [n.swa_blocks for n in nodes[-m.geometry.window_blocks :]]
@@ -119,7 +121,7 @@ def test_a_full_host_evicts_its_least_recently_used_anchor_and_skips_what_cannot
     _sessions(m, 20, asked=2)
     assert host.stats.evicted_anchors == len(evicted_ticks) > 0 and host.used_pages <= 30
     # Nothing was hit again: the host anchors left are the latest stored, the earliest went first.
-    kept = [n.host_anchor.tick for n in m.cache.tree.nodes.values() if n.host_anchor is not None]
+    kept = [n.host.anchor.tick for n in m.cache.tree.nodes.values() if n.host is not None and n.host.anchor is not None]
     assert kept and evicted_ticks == sorted(evicted_ticks) and max(evicted_ticks) <= min(kept)
     tiny = _manager(host_pages=3)  # not one anchor's path (10 positions) fits
     _sessions(tiny, 8, asked=2)
@@ -131,13 +133,13 @@ def test_held_host_copies_are_not_evicted_until_released():
     m = _manager(host_pages=30)
     _sessions(m, 6, asked=2)
     host = m.cache.host
-    nodes = [n for n in m.cache.tree.nodes.values() if n.host_anchor is not None]
+    nodes = [n for n in m.cache.tree.nodes.values() if n.host is not None and n.host.anchor is not None]
     held = host.hold([nodes[0]])
     _sessions(m, 20, start=100, asked=2)
-    assert nodes[0].host_full is not None and nodes[0].host_anchor is not None
+    assert nodes[0].host.full is not None and nodes[0].host.anchor is not None
     host.release(held)
     _sessions(m, 20, start=200, asked=2)
-    assert nodes[0].host_anchor is None
+    assert nodes[0].host is None or nodes[0].host.anchor is None
     m.check_integrity()
 
 
@@ -146,17 +148,17 @@ def test_integrity_check_covers_the_host_copies():
     m = _manager(host_pages=400)
     _sessions(m, 12)
     m.check_integrity()
-    node = next(n for n in m.cache.tree.nodes.values() if n.host_children)
-    node.host_children += 1
+    node = next(n for n in m.cache.tree.nodes.values() if n.host is not None and n.host.children)
+    node.host.children += 1
     with pytest.raises(AssertionError):
         m.check_integrity()
-    node.host_children -= 1
-    a, b = [n for n in m.cache.tree.nodes.values() if n.host_full is not None][:2]
-    saved = b.host_full
-    b.host_full = a.host_full
+    node.host.children -= 1
+    a, b = [n for n in m.cache.tree.nodes.values() if host_full(n) is not None][:2]
+    saved = b.host.full
+    b.host.full = a.host.full
     with pytest.raises(AssertionError, match="owned twice"):
         m.check_integrity()
-    b.host_full = saved
+    b.host.full = saved
     m.check_integrity()
 
 
@@ -279,11 +281,7 @@ def test_host_tier_metrics_reach_prometheus(tmp_path, monkeypatch):
     snapshot = manager_snapshot(m, None, None, "m", 0, counters)
     assert snapshot["host_tier"]["hit_tokens"] == m.cache.host.stats.hit_tokens > 0
     Path(metrics.snapshot_path(0)).write_text(json.dumps(snapshot))
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in metrics.MimoCollector().collect()
-        for s in family.samples
-    }
+    samples = prometheus_samples()
     labels = (("engine", "0"), ("model_name", "m"))
     assert samples[("vllm:mimo_host_hit_tokens_total", labels)] == m.cache.host.stats.hit_tokens
     assert samples[("vllm:mimo_host_loads_total", labels)] == 1

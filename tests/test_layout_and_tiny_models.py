@@ -50,7 +50,9 @@ def test_not_hybrid():
 
 
 def test_text_config_of_a_multimodal_config_is_used():
-    text = _cfg(model_type="gemma3_text", num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    text = _cfg(
+        model_type="gemma3_text", num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+    )
     outer = SimpleNamespace(get_text_config=lambda: text)
     assert layout_from_hf_config(outer).full_layers == (1,)
 

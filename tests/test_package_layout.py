@@ -1,5 +1,6 @@
 """The package's layout rules, read from the source: the KV cache library depends on nothing of
-the plugin's engine side, and eval and tests reach it only through its public names."""
+the plugin's engine side, eval and tests reach it only through its public names, and every vLLM
+internal the package touches is imported in `vllm_mimo/compat.py`."""
 
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ def _library_classes() -> set[str]:
     }
 
 
+SUBCLASSABLE = {"CacheObserver", "AnchorPolicy", "AnchorPlacement", "HostTier"}
+"""What eval and tests may subclass: the observer interface and the policies (eval's variants of
+the anchor policy and of the host tier)."""
+
+
 def test_eval_and_tests_use_only_the_public_names_of_the_kv_cache():
-    private, classes = _private_names(), _library_classes() - {"CacheObserver"}
+    private, classes = _private_names(), _library_classes() - SUBCLASSABLE
     offences = []
     for path in sorted([*ROOT.glob("eval/*.py"), *ROOT.glob("tests/*.py")]):
         tree = ast.parse(path.read_text())
@@ -67,3 +73,25 @@ def test_eval_and_tests_use_only_the_public_names_of_the_kv_cache():
                 if bases & classes:
                     offences.append(f"{where}: class {node.name} subclasses {sorted(bases & classes)}")
     assert not offences, "eval/ and tests/ must use the KV cache's contract and observers:\n" + "\n".join(offences)
+
+
+def _is_vllm(module: str) -> bool:
+    return module == "vllm" or module.startswith("vllm.")
+
+
+def test_only_compat_imports_vllm():
+    """A vLLM move is then fixed in one file. All of `vllm_mimo/` is product code, `testing/`
+    included (it ships in the wheel), so all of it goes through compat."""
+    compat = ROOT / "vllm_mimo" / "compat.py"
+    offences = []
+    for path in sorted((ROOT / "vllm_mimo").rglob("*.py")):
+        if path == compat:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _is_vllm(node.module):
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import ...")
+            elif isinstance(node, ast.Import):
+                offences += [
+                    f"{path.relative_to(ROOT)}:{node.lineno}: import {alias.name}" for alias in node.names if _is_vllm(alias.name)
+                ]
+    assert not offences, "import vLLM internals through vllm_mimo.compat:\n" + "\n".join(offences)

@@ -399,6 +399,7 @@ def test_host_tier_engines_extend_hits_from_host_memory(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two revisions' replays, one after the other on one CPU: tens of seconds
 def test_manager_time_of_two_revisions_at_once_on_one_cpu(tmp_path, capsys):
     """HEAD exported by git against the working tree, both pinned to one CPU: µs per call of
     each, its ratio to the first, and which have the same counts, per budget."""

@@ -2,7 +2,10 @@
 
 One server with the plugin on (and a pin file), one with it off for upstream's default on the
 same requests. The cache is large enough that nothing is evicted: every miss below is a
-missing SWA window, which is what the plugin's anchors are for.
+missing SWA window, which is what the plugin's anchors are for. Hits are read as users read
+them, with the real `openai` and `anthropic` clients: `--enable-prompt-tokens-details` makes
+usage report the window-safe hit (`prompt_tokens_details.cached_tokens`, and
+`cache_read_input_tokens` on `/v1/messages`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 
+import anthropic
+import openai
 import pytest
 import requests
 
@@ -51,11 +56,13 @@ def _wait_for_pins(server: VllmServer, timeout_s: float = 60) -> None:
 
 
 def _chat(server: VllmServer, messages: list[dict]) -> int:
-    """Send a chat completion; return its cached prompt tokens."""
-    r = requests.post(server.url + "/v1/chat/completions", json={
-        "model": "tiny", "messages": messages, "max_tokens": 160, "temperature": 0}, timeout=120)
-    r.raise_for_status()
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    """Send a chat completion with the OpenAI client; return its cached prompt tokens."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    usage = client.chat.completions.create(model="tiny", messages=messages, max_tokens=160, temperature=0).usage
+    assert usage is not None and usage.prompt_tokens_details is not None, usage
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None, usage
+    return cached
 
 
 def _tokens(server: VllmServer, messages: list[dict]) -> int:
@@ -99,17 +106,20 @@ def test_cache_control_block_is_an_anchor_in_chat_completions(servers):
 def test_cache_control_block_is_an_anchor_in_messages(servers):
     server = servers["on"]
 
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
     def send(question: str) -> int:
-        r = requests.post(server.url + "/v1/messages", json={
-            "model": "tiny", "max_tokens": 160, "temperature": 0,
-            "system": [{"type": "text", "text": "Be brief. " * 4}],
-            "messages": [{"role": "user", "content": [
+        """Send a message with the Anthropic client; return its cache-read input tokens."""
+        message = client.messages.create(
+            model="tiny", max_tokens=160,
+            system=[{"type": "text", "text": "Be brief. " * 4}],
+            messages=[{"role": "user", "content": [
                 {"type": "text", "text": DOCUMENT.upper(), "cache_control": {"type": "ephemeral"}},
                 {"type": "text", "text": question},
             ]}],
-        }, timeout=120)
-        r.raise_for_status()
-        return r.json()["usage"].get("cache_read_input_tokens") or 0
+            extra_body={"temperature": 0},  # this client no longer takes `temperature`; vLLM does
+        )
+        return message.usage.cache_read_input_tokens or 0  # vLLM leaves it out when nothing was read
 
     assert send(QUESTIONS[0]) == 0
     assert send(QUESTIONS[1]) >= 4 * BLOCK  # the system text and the marked document

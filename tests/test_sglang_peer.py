@@ -30,7 +30,9 @@ def _session() -> list[ReplayRequest]:
 
 def _hits(engine: str) -> tuple[list[int], replay.RunResult]:
     requests = _session()
-    result = replay.simulate(engine, "mimo-v2.5-pro", 4, requests, replay.ideal_hits(requests), replay.SimParams(), progress=False)
+    result = replay.simulate(
+        engine, "mimo-v2.5-pro", 4, requests, replay.ideal_hits(requests), replay.SimParams(), progress=False
+    )
     return [result.first_tokens[str(i)].hit_tokens for i in range(len(requests))], result
 
 
@@ -113,7 +115,7 @@ def test_sglang_engines_in_the_json_beside_the_others(tmp_path):
 @pytest.mark.parametrize("engine,workload,count,gib", [
     ("sglang-r0.8", "mixed", 80, 3),
     # Where a chunk fits each side of the unified pool alone but not both together.
-    ("sglang-unified-norefresh", "agent-sessions", None, 4),
+    pytest.param("sglang-unified-norefresh", "agent-sessions", None, 4, marks=pytest.mark.slow),  # the whole workload
 ])
 def test_sglang_under_memory_pressure_retracts_and_ends_clean(engine, workload, count, gib):
     """Budgets where SGLang's memory is short (3 GiB: 13.5K Full tokens at ratio 0.8, whose

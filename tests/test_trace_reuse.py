@@ -21,7 +21,12 @@ LINES = [
     {"timestamp": 2000, "input_length": 2000, "output_length": 10, "hash_ids": [1, 2, 5, 6]},  # goes on from the first
     {"timestamp": 3000, "input_length": 300, "output_length": 10, "hash_ids": [7]},  # one segment: nothing to go on from
     {"timestamp": 5000, "input_length": 900, "output_length": 10, "hash_ids": [1, 9]},  # not from the first: only one block
-    {"timestamp": 9000, "input_length": 1400, "output_length": 10, "hash_ids": [1, 2, 8]},  # from the first (counted once) and the fourth
+    {
+        "timestamp": 9000,
+        "input_length": 1400,
+        "output_length": 10,
+        "hash_ids": [1, 2, 8],
+    },  # from the first (counted once) and the fourth
 ]
 
 

@@ -99,7 +99,7 @@ def _reference_logprobs(prompts: list[list[int]]):
 
 def _compare(prompts, vllm_lps, ref_lps) -> dict:
     diffs, agree, positions = [], 0, 0
-    for ids, per_pos, ref in zip(prompts, vllm_lps, ref_lps):
+    for ids, per_pos, ref in zip(prompts, vllm_lps, ref_lps, strict=True):
         assert per_pos[0] is None and len(per_pos) == len(ids)
         for pos in range(1, len(ids)):
             got = per_pos[pos]  # vLLM: distribution of token `pos` given tokens < pos
@@ -150,7 +150,7 @@ def test_fast_training_attention_is_the_reference_attention():
     with torch.no_grad():
         plain = model.all_heads(ids)
         fast = model.set_fast_attention(True).all_heads(ids)
-    for a, b in zip(plain, fast):
+    for a, b in zip(plain, fast, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
@@ -171,7 +171,7 @@ def test_heads_predict_held_out_text():
                 pred = model.logits(h[:, : 300 - k - 1]).argmax(-1)
                 hits[k] += int((pred == x[:, k + 1 :]).sum())
                 counts[k] += pred.numel()
-    acc = [h / c for h, c in zip(hits, counts)]
+    acc = [h / c for h, c in zip(hits, counts, strict=True)]
     assert acc[0] > 3 * report["unigram_baseline"]["top1"] and acc[0] > 0.4, acc
     assert acc[1] >= 0.3, acc
 
@@ -224,7 +224,7 @@ def test_vllm_mtp_drafts_are_the_reference_mtp_head():
     runs = _run_vllm({"mode": "mtp", "dtype": "float32", "prompts": prompts, "max_tokens": MTP_MAX_TOKENS})
     model = load_reference(MODEL, torch.float32)
     total_drafts = total_accepted = 0
-    for prompt, run in zip(prompts, runs):
+    for prompt, run in zip(prompts, runs, strict=True):
         assert len(run["ids"]) == MTP_MAX_TOKENS
         drafts, accepted = _simulated_mtp_acceptance(model, prompt, run["ids"])
         assert (run["drafts"], run["accepted"]) == (drafts, accepted), (run, drafts, accepted)

@@ -27,11 +27,17 @@ import torch
 
 from tests.conftest import run_engine
 from tests.prompts import corpus_ids
-from vllm_mimo.attention_backends.plan import mask_null_slots, plan_split, plan_window_local
+from vllm_mimo.attention_backends.plan import WindowPlan, mask_null_slots, plan_split, window_layout
 from vllm_mimo.attention_backends.reference import combine_split, window_local_prefill
 
-
 # ------------------------------------------------------------------ the plan
+
+
+def plan_window_local(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, window: int, block_size: int
+) -> WindowPlan:
+    """One group's step planned on its own (the backend shares one layout between groups)."""
+    return window_layout(query_start_loc, seq_lens, window, block_size).plan(block_table)
 
 
 def _plan_case():
@@ -53,7 +59,7 @@ def test_plan_puts_each_requests_window_and_chunk_in_scratch():
     scratch[plan.copy_dst] = cache[plan.copy_src]
     marker = 10_000
     scratch.view(-1)[plan.token_slots] = marker + torch.arange(int(qsl[-1]))
-    for r, (q, n) in enumerate(zip(q_lens, seq_lens)):
+    for r, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True)):
         context = n - q
         base = int(plan.first_block[r]) * bs
         assert int(plan.seq_lens[r]) == n - base
@@ -131,7 +137,9 @@ def test_window_local_prefill_matches_the_dense_reference(heads, kv_heads, dqk, 
     query = torch.randn(chunk, heads, dqk)
     sink = torch.randn(heads) if sinks else None
     scale = dqk**-0.5
-    ours = window_local_prefill(query, key[context:], value[context:], key[:context], value[:context], context, window, scale, sink)
+    ours = window_local_prefill(
+        query, key[context:], value[context:], key[:context], value[:context], context, window, scale, sink
+    )
     want = dense_reference(query, key, value, context, window, scale, sink)
     assert ours.shape == (chunk, heads, dv)
     assert torch.allclose(ours.double(), want, atol=1e-5), (ours.double() - want).abs().max()
@@ -142,10 +150,24 @@ def test_dense_reference_comparison_can_fail():
     and the comparison above fails."""
     torch.manual_seed(1)
     heads, kv_heads, d, window, context, chunk = 4, 2, 16, 8, 12, 6
-    key, value, query = torch.randn(context + chunk, kv_heads, d), torch.randn(context + chunk, kv_heads, d), torch.randn(chunk, heads, d)
+    key, value, query = (
+        torch.randn(context + chunk, kv_heads, d),
+        torch.randn(context + chunk, kv_heads, d),
+        torch.randn(chunk, heads, d),
+    )
     sink = torch.randn(heads)
     want = dense_reference(query, key, value, context, window, d**-0.5, sink)
-    short = window_local_prefill(query, key[context:], value[context:], key[context - window + 2 : context], value[context - window + 2 : context], context, window, d**-0.5, sink)
+    short = window_local_prefill(
+        query,
+        key[context:],
+        value[context:],
+        key[context - window + 2 : context],
+        value[context - window + 2 : context],
+        context,
+        window,
+        d**-0.5,
+        sink,
+    )
     assert not torch.allclose(short.double(), want, atol=1e-5)
     from vllm_mimo.attention_backends.reference import apply_sinks, attend, merge
 
@@ -176,15 +198,15 @@ def _kernel_case(heads=4, kv_heads=2, d=64, bs=32, window=40, sinks=True, null_f
     cache = torch.zeros(num_blocks, kv_heads, bs, 2 * d)
     key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * bs, d).chunk(2, dim=2)
     table = (torch.randperm(num_blocks - 1)[: 4 * 6] + 1).reshape(4, 6).to(torch.int32)
-    keys = [torch.randn(c + q, kv_heads, d) for c, q in zip(contexts, chunks)]
-    values = [torch.randn(c + q, kv_heads, d) for c, q in zip(contexts, chunks)]
+    keys = [torch.randn(c + q, kv_heads, d) for c, q in zip(contexts, chunks, strict=True)]
+    values = [torch.randn(c + q, kv_heads, d) for c, q in zip(contexts, chunks, strict=True)]
     for r, c in enumerate(contexts):
         if c:
             slots = torch.tensor([int(table[r, p // bs]) * bs + p % bs for p in range(c)])
             compat.custom_ops.cpu_attn_reshape_and_cache(keys[r][:c], values[r][:c], key_cache, value_cache, slots, isa)
     query = torch.randn(sum(chunks), heads, d)
     qsl = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([c + q for c, q in zip(contexts, chunks)], dtype=torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in zip(contexts, chunks, strict=True)], dtype=torch.int32)
     plan = plan_window_local(qsl, seq_lens, table, window, bs)
     if null_first_copy:  # as if the manager had kept no block for that part of a window
         plan = type(plan)(**{**plan.__dict__, "copy_src": torch.cat([plan.copy_src[:1] * 0, plan.copy_src[1:]])})
@@ -193,8 +215,8 @@ def _kernel_case(heads=4, kv_heads=2, d=64, bs=32, window=40, sinks=True, null_f
         query_start_loc=qsl, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=False,
     )
     sink = torch.randn(heads) if sinks else None
-    new_k = torch.cat([k[c:] for k, c in zip(keys, contexts)])
-    new_v = torch.cat([v[c:] for v, c in zip(values, contexts)])
+    new_k = torch.cat([k[c:] for k, c in zip(keys, contexts, strict=True)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, contexts, strict=True)])
     output = torch.zeros(sum(chunks), heads, d)
     attend(query, new_k, new_v, cache, output, plan, schedule, qsl, isa=isa, scale=d**-0.5, window=window, sinks=sink)
     want = torch.cat([
@@ -251,8 +273,8 @@ def _paged_requests():
     key_pages = torch.full((num_pages, bs, kv_heads, dqk), 1e4)
     value_pages = torch.full((num_pages, bs, kv_heads, dv), 1e4)
     table = (torch.randperm(num_pages - 1)[: 6 * 12] + 1).reshape(6, 12)
-    keys = [torch.randn(c + q, kv_heads, dqk) for c, q in zip(contexts, chunks)]
-    values = [torch.randn(c + q, kv_heads, dv) for c, q in zip(contexts, chunks)]
+    keys = [torch.randn(c + q, kv_heads, dqk) for c, q in zip(contexts, chunks, strict=True)]
+    values = [torch.randn(c + q, kv_heads, dv) for c, q in zip(contexts, chunks, strict=True)]
     for r, c in enumerate(contexts):
         for p in range(max(0, c - (window - 1)), c):  # only the window is ever kept
             key_pages[table[r, p // bs], p % bs] = keys[r][p]
@@ -262,8 +284,8 @@ def _paged_requests():
         "window": window, "bs": bs, "scale": dqk**-0.5, "sink": torch.randn(heads), "table": table,
         "key_pages": key_pages, "value_pages": value_pages, "qsl": qsl,
         "seq_lens": torch.tensor(contexts) + torch.tensor(chunks), "query": torch.randn(sum(chunks), heads, dqk),
-        "new_k": torch.cat([k[c:] for k, c in zip(keys, contexts)]),
-        "new_v": torch.cat([v[c:] for v, c in zip(values, contexts)]),
+        "new_k": torch.cat([k[c:] for k, c in zip(keys, contexts, strict=True)]),
+        "new_v": torch.cat([v[c:] for v, c in zip(values, contexts, strict=True)]),
         "want": lambda query, scale, sink: torch.cat([
             dense_reference(query[qsl[r] : qsl[r + 1]], keys[r], values[r], contexts[r], window, scale, sink)
             for r in range(len(chunks))
@@ -297,7 +319,9 @@ def _split_case(context_window_left=0, context_causal=False):
         )
         context_out.append(out)
         context_lse.append(lse)
-    ours = combine_split(plan, (torch.cat(chunk_out), torch.cat(chunk_lse)), (torch.cat(context_out), torch.cat(context_lse)), sink)
+    ours = combine_split(
+        plan, (torch.cat(chunk_out), torch.cat(chunk_lse)), (torch.cat(context_out), torch.cat(context_lse)), sink
+    )
     return plan, ours, case["want"](query, scale, sink)
 
 
@@ -383,9 +407,9 @@ def test_diffkv_path_computes_the_window_with_flash_attentions_masks():
     # context - 1; keys counted from the first page's first slot.
     contexts, bs, window = [30, 17, 5, 21, 3], 4, 10
     first = [max(0, c - (window - 1)) // bs for c in contexts]
-    assert plan.context_keys.tolist() == [c - f * bs for c, f in zip(contexts, first)]
+    assert plan.context_keys.tolist() == [c - f * bs for c, f in zip(contexts, first, strict=True)]
     table = _paged_requests()["table"]
-    for row, (r, c, f) in enumerate(zip([0, 1, 2, 4, 5], contexts, first)):
+    for row, (r, c, f) in enumerate(zip([0, 1, 2, 4, 5], contexts, first, strict=True)):
         pages = (c - 1) // bs - f + 1
         assert plan.context_block_table[row, :pages].tolist() == table[r, f : f + pages].tolist()
 

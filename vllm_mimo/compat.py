@@ -6,6 +6,11 @@ name for each. Import vLLM internals from here, never directly, so a move is fix
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
+
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import (
@@ -16,7 +21,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 try:  # 0.33 moved KV cache planning out of kv_cache_utils
-    from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+    from vllm.v1.core.kv_cache_planning import (
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
     )
@@ -25,25 +30,26 @@ except ImportError:  # 0.32
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
     )
+from vllm.exceptions import VLLMValidationError  # a request rejected with HTTP 400 (a bare ValueError is a 500)
+from vllm.tokenizers.registry import cached_tokenizer_from_config
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-from vllm.tokenizers.registry import cached_tokenizer_from_config
-from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
-from vllm.exceptions import VLLMValidationError  # a request rejected with HTTP 400 (a bare ValueError is a 500)
 
 try:  # reference SWA: a full-attention spec subclass that is really windowed
     from vllm.v1.kv_cache_interface import RSWASpec
 except ImportError:  # pragma: no cover - absent on some builds
-    RSWASpec = None  # type: ignore[assignment,misc]
+    RSWASpec = None
 
 __all__ = [
     "VLLMValidationError",
+    "current_platform",
     "FullAttentionManager",
     "FullAttentionSpec",
     "Request",
@@ -73,7 +79,31 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
+def current_platform() -> Any:
+    """vLLM's `current_platform`, looked up on each call: vLLM resolves it lazily (only once its
+    platform plugins are loaded) and may replace it, so it is never imported early or cached."""
+    from vllm import platforms
+
+    return platforms.current_platform
+
+
 _LAZY = {
+    # The engine-core scheduler the plugin subclasses (vllm_mimo.engine.scheduler): imported
+    # only by that process, so the front end and the replay tools do not load it.
+    "Scheduler": ("vllm.v1.core.sched.scheduler", "Scheduler"),
+    "AsyncScheduler": ("vllm.v1.core.sched.async_scheduler", "AsyncScheduler"),
+    # Hooked at plugin load (vllm_mimo.hooks) and for pinned prompts (vllm_mimo.engine.pinning).
+    "VllmConfig": ("vllm.config", "VllmConfig"),
+    "SamplingParams": ("vllm.sampling_params", "SamplingParams"),
+    "InputProcessor": ("vllm.v1.engine.input_processor", "InputProcessor"),
+    # The chat entry points that render anchor prefixes (vllm_mimo.engine.chat_anchors): the
+    # API server's modules, which the engine core never needs.
+    "AnthropicServingMessages": ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages"),
+    "ChatCompletionRequest": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    "OpenAIServingChat": ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat"),
+    # The CPU rejection sampler's Triton fallback (vllm_mimo.spec_decode.cpu_expand).
+    "HAS_TRITON": ("vllm.triton_utils", "HAS_TRITON"),
+    "cpu_triton_utils": ("vllm.utils.cpu_triton_utils", None),
     # The MTP drafter (vllm_mimo.spec_decode): model-side and worker-side internals, imported
     # on first use so the scheduler side and the replay tools do not load model code.
     "LogitsProcessor": ("vllm.model_executor.layers.logits_processor", "LogitsProcessor"),
@@ -131,7 +161,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):  # PEP 562: the lazy names above (an attribute, or the module for None)
+def __getattr__(name: str) -> Any:  # PEP 562: the lazy names above (an attribute, or the module for None)
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
@@ -149,9 +179,9 @@ class _AfterImport:
 
     def __init__(self, module: str) -> None:
         self.module = module
-        self.callbacks: list = []
+        self.callbacks: list[Callable[[ModuleType], None]] = []
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None):  # noqa: ANN201
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> ModuleSpec | None:
         if fullname != self.module:
             return None
         import importlib.util
@@ -163,7 +193,7 @@ class _AfterImport:
             return spec
         exec_module, callbacks = spec.loader.exec_module, self.callbacks
 
-        def run(module):  # noqa: ANN001, ANN202
+        def run(module: ModuleType) -> None:
             exec_module(module)
             for callback in callbacks:
                 callback(module)
@@ -172,7 +202,7 @@ class _AfterImport:
         return spec
 
 
-def when_imported(module: str, callback) -> None:  # noqa: ANN001
+def when_imported(module: str, callback: Callable[[ModuleType], None]) -> None:
     """Run `callback(module)` once `module` is imported: now if it is, else right after its
     import. For worker-side internals that the front-end and scheduler processes never load."""
     import sys

@@ -200,7 +200,7 @@ class MimoConfig:
         cls,
         additional_config: Any = None,
         environ: Mapping[str, str] | None = None,
-    ) -> "MimoConfig":
+    ) -> MimoConfig:
         """Build and validate from vLLM's `additional_config` and the environment."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -226,7 +226,7 @@ class MimoConfig:
         return cls(**values)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> "MimoConfig":
+    def from_vllm_config(cls, vllm_config: Any) -> MimoConfig:
         return cls.from_sources(getattr(vllm_config, "additional_config", None))
 
 

@@ -39,7 +39,7 @@ def install() -> None:
     if disabled_by_env():
         logger.debug("vllm-mimo: disabled by %sENABLE", ENV_PREFIX)
         return
-    from vllm.config import VllmConfig
+    from vllm_mimo.compat import VllmConfig
 
     original = VllmConfig.__post_init__
     if not getattr(original, "_vllm_mimo_hook", False):
@@ -49,7 +49,7 @@ def install() -> None:
             configure(self)
 
         __post_init__._vllm_mimo_hook = True  # type: ignore[attr-defined]
-        VllmConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+        VllmConfig.__post_init__ = __post_init__
     from vllm_mimo import attention_backends
     from vllm_mimo.metrics import register_collector
     from vllm_mimo.spec_decode import cpu_expand, setup
@@ -65,11 +65,8 @@ def install() -> None:
 def _validate_anchor_hints_on_input() -> None:
     """Reject malformed `extra_args["mimo"]` hints where vLLM validates SamplingParams, so a
     bad request fails alone (HTTP 400, or an error from `LLM.generate`) instead of the engine."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine.input_processor import InputProcessor
-
     from vllm_mimo.block_manager.placement import AnchorHintError, declared_anchors
-    from vllm_mimo.compat import VLLMValidationError
+    from vllm_mimo.compat import InputProcessor, SamplingParams, VLLMValidationError
 
     validate = InputProcessor._validate_params
     if getattr(validate, "_vllm_mimo_hook", False):
@@ -84,7 +81,7 @@ def _validate_anchor_hints_on_input() -> None:
         return validate(self, params, *args, **kwargs)
 
     _validate_params._vllm_mimo_hook = True  # type: ignore[attr-defined]
-    InputProcessor._validate_params = _validate_params  # type: ignore[method-assign]
+    InputProcessor._validate_params = _validate_params
 
 
 def configure(vllm_config: Any) -> None:

@@ -99,7 +99,7 @@ def layout_from_kv_cache_groups(
 
     Draft (MTP) layers are named `...mtp.layers.N...` and are not counted as decoder layers.
     """
-    from vllm_mimo.compat import FullAttentionSpec, SlidingWindowSpec, RSWASpec
+    from vllm_mimo.compat import FullAttentionSpec, RSWASpec, SlidingWindowSpec
 
     full: set[int] = set()
     swa: set[int] = set()

@@ -52,8 +52,9 @@ def resolve(setting: str | None, platform: str) -> SwaAttention:
 
 
 def _platform() -> str:
-    from vllm.platforms import current_platform
+    from vllm_mimo import compat
 
+    current_platform = compat.current_platform()
     if current_platform.is_cpu():
         return "cpu"
     return "cuda" if current_platform.is_cuda() else str(current_platform.device_name)
@@ -136,7 +137,7 @@ def configure(vllm_config: Any, config: MimoConfig) -> SwaAttention:
     return mode
 
 
-def _check_diffkv(vllm_config: Any, k_size: int, v_size: int, has_sinks: bool) -> None:
+def _check_diffkv(vllm_config: Any, k_size: int | None, v_size: int, has_sinks: bool) -> None:
     """SWA layers with K and V head sizes `k_size` / `v_size` run window-locally only on the
     plugin's `FLASH_ATTN_DIFFKV`: refused where MiMo's model would pick another backend."""
     from vllm_mimo import compat

@@ -88,7 +88,7 @@ def attend(
     blocks copied from `kv_cache` (vLLM's CPU layout, `[blocks, kv heads, block size, 2 x head
     size]`), the new tokens' `key` / `value` written in, vLLM's kernel run over the plan's block
     table into `output`; `schedule`: vLLM's CPU scheduler metadata for the plan's lengths."""
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    _, num_kv_heads, block_size, _ = kv_cache.shape
     if block_size != plan.block_size:
         raise RuntimeError(f"vllm-mimo: the window-local plan has {plan.block_size}-token blocks, the cache {block_size}")
     scratch = scratch_blocks(kv_cache, plan.num_blocks)
@@ -175,6 +175,8 @@ class WindowLocalBuilder(_Builder):  # type: ignore[misc,valid-type]
 
 class WindowLocalImpl(_Impl):  # type: ignore[misc,valid-type]
     """vLLM's CPU attention; a step with a `WindowPlan` runs over the scratch."""
+
+    sinks: torch.Tensor | None  # set by vLLM's __init__ (declared for the type checker)
 
     def forward(
         self,

@@ -28,7 +28,6 @@ from vllm_mimo import compat
 from vllm_mimo.attention_backends.plan import mask_null_slots, plan_split
 from vllm_mimo.attention_backends.split_prefill import SplitPrefill
 
-
 _Backend = compat.FlashInferBackend
 _Builder = compat.FlashInferMetadataBuilder
 _Impl = compat.FlashInferImpl

@@ -137,17 +137,6 @@ def window_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window:
     )
 
 
-def plan_window_local(
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    window: int,
-    block_size: int,
-) -> WindowPlan:
-    """The plan for one group's step: `window_layout` over its `block_table` rows."""
-    return window_layout(query_start_loc, seq_lens, window, block_size).plan(block_table)
-
-
 @dataclass(frozen=True)
 class SplitPlan:
     """A window-local step as two calls merged by log-sum-exp; R requests, T new tokens, C of

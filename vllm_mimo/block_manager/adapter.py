@@ -12,13 +12,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mimo.block_manager.anchors import Anchor, AnchorKind
-from vllm_mimo.block_manager.base import CacheObserver
+from vllm_mimo.block_manager.base import AnchorPolicy, CacheObserver
 from vllm_mimo.block_manager.cache import HybridKVCache
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cdiv
-from vllm_mimo.block_manager.host_tier import Copy
+from vllm_mimo.block_manager.host_tier import Copy, HostTier
 from vllm_mimo.block_manager.metrics import KVManagerMetrics
-from vllm_mimo.block_manager.prefix_tree import Blocks, Node
+from vllm_mimo.block_manager.placement import AnchorPlacement
+from vllm_mimo.block_manager.prefix_tree import Blocks
 from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats, RequestStatus
 from vllm_mimo.config import MimoConfig
 
@@ -74,21 +74,19 @@ class HybridKVCacheManager:
         kv_blocks: list[KVCacheBlock] | None = None,
         watermark: float = 0.0,
         observers: Iterable[CacheObserver] = (),
-        anchor_filter: Callable[[Node, AnchorKind], bool] | None = None,
-        anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
-        anchor_worth: Callable[[Anchor], float] | None = None,
         window_local: bool = False,
         host_pages: int = 0,
-        host_dense: bool = False,
+        anchor_policy: Callable[..., AnchorPolicy] = AnchorPlacement,
+        host_tier: Callable[..., HostTier] = HostTier,
         **_vllm_kwargs: Any,
     ) -> None:
         """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block);
         `watermark`: vLLM's `--watermark`, the share of blocks kept free when admitting;
         `observers`: subscribed to the cache's events (after its own metrics);
         `window_local`: the SWA groups' attention is window-local (`HybridKVCache`);
-        `host_pages`, `host_dense`: the host tier (`HybridKVCache`; in the engine the plugin's
-        connector, `vllm_mimo.offload`, moves the bytes);
-        `anchor_filter`, `anchor_victim`, `anchor_worth`: see `HybridKVCache` (measuring tools only)."""
+        `host_pages`: the host tier (`HybridKVCache`; in the engine the plugin's connector,
+        `vllm_mimo.offload`, moves the bytes);
+        `anchor_policy`, `host_tier`: what builds them (`HybridKVCache`)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
             raise UnsupportedKVLayout(
@@ -117,12 +115,10 @@ class HybridKVCacheManager:
             use_eagle=use_eagle,
             max_num_running=max_num_running,
             observers=(self.metrics, *observers),
-            anchor_filter=anchor_filter,
-            anchor_victim=anchor_victim,
-            anchor_worth=anchor_worth,
             window_local=window_local,
             host_pages=host_pages,
-            host_dense=host_dense,
+            anchor_policy=anchor_policy,
+            host_tier=host_tier,
         )
         self.geometry = geometry
         self.kv_cache_config = kv_cache_config
@@ -169,7 +165,7 @@ class HybridKVCacheManager:
         path = match.path
         start = max(0, hit - self.geometry.window_blocks)
         blocks = self._kv_cache_blocks(
-            [node.full_blocks for node in path[:hit]], [None] * start + [node.swa_blocks for node in path[start:hit]]
+            [node.full_blocks for node in path[:hit]], [None] * start + [node.swa_blocks for node in path[start:hit]]  # type: ignore[misc]
         )
         return blocks, hit * self.block_size, 0
 

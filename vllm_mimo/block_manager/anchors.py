@@ -27,7 +27,7 @@ from enum import Enum, IntEnum
 from vllm_mimo.block_manager.prefix_tree import Node
 
 
-class AnchorKind(str, Enum):
+class AnchorKind(str, Enum):  # noqa: UP042
     DECLARED = "declared"  # SamplingParams.extra_args["mimo"]["anchors"], or the chat API
     HOT = "hot"  # a node reused by at least `hot_prefix_min_hits` distinct requests
     BRANCH = "branch"  # a node with two or more children: a shared-prefix junction
@@ -69,7 +69,7 @@ class AnchorState(IntEnum):
     DEMOTED_UNSERVED, DEMOTED_SERVED: no longer needed (a session went on from it) or of a kind
         that seldom serves, and it never served a hit / it did (a junction requests came back
         to, where another may fork). The latest demoted is at the front.
-    LRU: live, least worth first: GreedyDual's order. An anchor's priority is the clock when
+    GREEDY_DUAL: live, least worth first: GreedyDual's order. An anchor's priority is the clock when
         it was last used (created, hit or released by its last holder) plus its worth per block
         (`AnchorSet`'s `worth`). The clock is the larger of two: GreedyDual's inflation, which
         rises to each evicted anchor's priority, and time: the worth of every anchor use so far
@@ -86,12 +86,12 @@ class AnchorState(IntEnum):
 
     DEMOTED_UNSERVED = 0
     DEMOTED_SERVED = 1
-    LRU = 2
+    GREEDY_DUAL = 2
     PINNED = 3
     HELD = 4
 
 
-EVICTION_ORDER = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED, AnchorState.LRU, AnchorState.PINNED)
+EVICTION_ORDER = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED, AnchorState.GREEDY_DUAL, AnchorState.PINNED)
 """The anchor part of the cache's eviction order (`base.KVCache.evict`)."""
 
 _DEMOTED = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED)
@@ -114,13 +114,13 @@ class Anchor:
         while covered.depth >= 0 and len(self.window) < window_blocks:
             covered.anchor_refs += 1
             self.window.append(covered)
-            covered = covered.parent
+            covered = covered.parent  # type: ignore[assignment]
         node.anchor = self
         self.kinds = {kind}
-        self.state = AnchorState.LRU  # set by AnchorSet.add
+        self.state = AnchorState.GREEDY_DUAL  # set by AnchorSet.add
         self.served = False  # whether a hit has ended at it
-        self.priority = 0.0  # in the LRU state: the clock when last used plus its worth per block
-        self.entry = 0  # when it was last used in the LRU state (anchor uses), its LRU heap entry
+        self.priority = 0.0  # in the GREEDY_DUAL state: the clock when last used plus its worth per block
+        self.entry = 0  # when it was last used in the GREEDY_DUAL state (anchor uses), its GREEDY_DUAL heap entry
 
     def uncover(self) -> list[Node]:
         """The anchor goes: its node and window are no longer its; returns the window (the
@@ -146,13 +146,13 @@ class Anchor:
 class AnchorSet:
     """Live anchors, one queue per `AnchorState`. Transitions:
 
-        add        -> LRU, or PINNED
-        touch      DEMOTED_* -> LRU (then HELD if `hold` would take it); LRU: priority
+        add        -> GREEDY_DUAL, or PINNED
+        touch      DEMOTED_* -> GREEDY_DUAL (then HELD if `hold` would take it); GREEDY_DUAL: priority
                    renewed; others: to the back
-        demote     LRU, HELD, DEMOTED_* -> the front of DEMOTED_SERVED or DEMOTED_UNSERVED;
+        demote     GREEDY_DUAL, HELD, DEMOTED_* -> the front of DEMOTED_SERVED or DEMOTED_UNSERVED;
                    PINNED -> the front of PINNED
-        hold       LRU -> HELD, for a shared kind; others stay
-        release    HELD -> LRU
+        hold       GREEDY_DUAL -> HELD, for a shared kind; others stay
+        release    HELD -> GREEDY_DUAL
         pin        any -> PINNED
         remove     any -> gone (`evicted`: and the clock rises to its priority)
 
@@ -160,8 +160,7 @@ class AnchorSet:
     positions (0: no anchors are placed), a new one starts demoted where `starts_demoted` says
     so (the policy's rule), and `placed` / `demoted` are told of each anchor placed (or given a
     new kind) and demoted. `worth`: the policy's worth per block of an anchor, which orders the
-    LRU state (`AnchorState`). `victim_in_tier`: a measuring tool's choice of victim among a
-    tier's anchors (see `tiers`), in place of the queue order; never used when serving."""
+    GREEDY_DUAL state (`AnchorState`)."""
 
     def __init__(
         self,
@@ -169,7 +168,6 @@ class AnchorSet:
         starts_demoted: Callable[[Anchor, AnchorKind], bool] = lambda anchor, kind: False,
         placed: Callable[[Anchor, AnchorKind], None] = lambda anchor, kind: None,
         demoted: Callable[[Anchor], None] = lambda anchor: None,
-        victim_in_tier: Callable[[list[Anchor]], Anchor] | None = None,
         worth: Callable[[Anchor], float] = lambda anchor: 0.0,
     ) -> None:
         self.window_blocks = window_blocks
@@ -178,9 +176,8 @@ class AnchorSet:
         self._demoted = demoted
         self._queues: dict[AnchorState, OrderedDict[int, Anchor]] = {state: OrderedDict() for state in AnchorState}
         self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
-        self._victim_in_tier = victim_in_tier
         self._worth = worth
-        # The LRU state's order: (priority, entry, id of the anchor); an entry is stale once its
+        # The GREEDY_DUAL state's order: (priority, entry, id of the anchor); an entry is stale once its
         # anchor left the state or was used again (a newer entry), and is skipped when met. The
         # id, not the anchor: a stale entry must not keep an evicted anchor (and the tree nodes
         # of its window) alive, which made the garbage collector's passes longer.
@@ -201,7 +198,7 @@ class AnchorSet:
 
     def _in_order(self, state: AnchorState) -> list[Anchor]:
         queue = self._queues[state]
-        if state is AnchorState.LRU:
+        if state is AnchorState.GREEDY_DUAL:
             return sorted(queue.values(), key=lambda anchor: (anchor.priority, anchor.entry))
         return list(queue.values())
 
@@ -215,20 +212,20 @@ class AnchorSet:
         return max(self.clock, self._worth_used / self.reuse_gap())
 
     def _used(self, anchor: Anchor) -> None:
-        """An anchor in the LRU state was just used: its priority is the clock plus its worth."""
+        """An anchor in the GREEDY_DUAL state was just used: its priority is the clock plus its worth."""
         worth = self._worth(anchor)
         self._worth_used += worth
         self.uses += 1
         anchor.priority = self.now() + worth
         anchor.entry = self.uses
         heapq.heappush(self._heap, (anchor.priority, anchor.entry, id(anchor)))
-        live = self._queues[AnchorState.LRU]
+        live = self._queues[AnchorState.GREEDY_DUAL]
         if len(self._heap) > 2 * len(live) + 64:
             self._heap = [e for e in self._heap if getattr(live.get(e[2]), "entry", None) == e[1]]
             heapq.heapify(self._heap)
 
-    def _lru_first(self) -> Anchor | None:
-        heap, live = self._heap, self._queues[AnchorState.LRU]
+    def _greedy_dual_first(self) -> Anchor | None:
+        heap, live = self._heap, self._queues[AnchorState.GREEDY_DUAL]
         while heap:
             _, entry, key = heap[0]
             anchor = live.get(key)
@@ -244,11 +241,11 @@ class AnchorSet:
         if front:
             queue.move_to_end(id(anchor), last=False)
         anchor.state = state
-        if state is AnchorState.LRU:
+        if state is AnchorState.GREEDY_DUAL:
             self._used(anchor)
 
     def add(self, anchor: Anchor, pinned: bool) -> None:
-        anchor.state = AnchorState.PINNED if pinned else AnchorState.LRU
+        anchor.state = AnchorState.PINNED if pinned else AnchorState.GREEDY_DUAL
         self._queues[anchor.state][id(anchor)] = anchor
         if anchor.kinds & SHARED_KINDS:
             self._shared[id(anchor)] = anchor
@@ -264,12 +261,12 @@ class AnchorSet:
     def remove(self, anchor: Anchor) -> None:
         self._queues[anchor.state].pop(id(anchor))
         self._shared.pop(id(anchor), None)
-        anchor.entry = 0  # its LRU heap entry, if any, is stale
+        anchor.entry = 0  # its GREEDY_DUAL heap entry, if any, is stale
 
     def evicted(self, anchor: Anchor) -> None:
-        """`anchor` is evicted: gone, and the clock rises to its priority if it was in the LRU
+        """`anchor` is evicted: gone, and the clock rises to its priority if it was in the GREEDY_DUAL
         state (GreedyDual's aging: see `AnchorState`)."""
-        if anchor.state is AnchorState.LRU and anchor.priority > self.clock:
+        if anchor.state is AnchorState.GREEDY_DUAL and anchor.priority > self.clock:
             self.clock = anchor.priority
         self.remove(anchor)
 
@@ -278,16 +275,16 @@ class AnchorSet:
         back of its queue, a demoted one is live again (and in use, if it is shared and a
         running request holds its node)."""
         if anchor.demoted:
-            self._move(anchor, AnchorState.LRU)
+            self._move(anchor, AnchorState.GREEDY_DUAL)
             if anchor.node.full_refs:
                 self.hold(anchor)
-        elif anchor.state is AnchorState.LRU:
+        elif anchor.state is AnchorState.GREEDY_DUAL:
             self._used(anchor)
         else:
             self._queues[anchor.state].move_to_end(id(anchor))
 
     def record_hit(self, anchor: Anchor) -> None:
-        """A hit ended at `anchor`; the uses since its last use in the LRU state count toward
+        """A hit ended at `anchor`; the uses since its last use in the GREEDY_DUAL state count toward
         `reuse_gap`."""
         if anchor.entry:
             self._gaps += self.uses - anchor.entry
@@ -304,12 +301,12 @@ class AnchorSet:
 
     def holdable(self, anchor: Anchor) -> bool:
         """Whether `hold` would take the anchor out of the eviction order: a shared anchor that
-        is live (LRU) or held already."""
-        return anchor.state in (AnchorState.LRU, AnchorState.HELD) and bool(anchor.kinds & SHARED_KINDS)
+        is live (GREEDY_DUAL) or held already."""
+        return anchor.state in (AnchorState.GREEDY_DUAL, AnchorState.HELD) and bool(anchor.kinds & SHARED_KINDS)
 
     def hold(self, anchor: Anchor) -> None:
         """A running request now holds the anchor's node: a shared anchor is in use."""
-        if anchor.state is AnchorState.LRU and anchor.kinds & SHARED_KINDS:
+        if anchor.state is AnchorState.GREEDY_DUAL and anchor.kinds & SHARED_KINDS:
             self._move(anchor, AnchorState.HELD)
 
     def hold_nodes(self, nodes: Iterable[Node]) -> None:
@@ -325,7 +322,7 @@ class AnchorSet:
     def release(self, anchor: Anchor) -> None:
         """No running request holds the anchor's node any more: just used."""
         if anchor.state is AnchorState.HELD:
-            self._move(anchor, AnchorState.LRU)
+            self._move(anchor, AnchorState.GREEDY_DUAL)
 
     def pin(self, anchor: Anchor) -> None:
         if not anchor.pinned:
@@ -368,7 +365,7 @@ class AnchorSet:
         """The evictable anchors in tiers, each in eviction order: unpinned (demoted ones
         first), pinned, then held ones if `include_held`. Victims come from the first tier
         that is not empty."""
-        yield [anchor for state in (*_DEMOTED, AnchorState.LRU) for anchor in self._in_order(state)]
+        yield [anchor for state in (*_DEMOTED, AnchorState.GREEDY_DUAL) for anchor in self._in_order(state)]
         yield list(self._queues[AnchorState.PINNED].values())
         if include_held:
             yield list(self._queues[AnchorState.HELD].values())
@@ -376,14 +373,9 @@ class AnchorSet:
     def victim(self, include_held: bool = False) -> Anchor | None:
         """The anchor to evict next, in `EVICTION_ORDER`, then held ones if `include_held` (for
         a request with nobody else running); None if none is left."""
-        if self._victim_in_tier is not None:
-            for tier in self.tiers(include_held):
-                if tier:
-                    return self._victim_in_tier(tier)
-            return None
         for state in EVICTION_ORDER:
-            if state is AnchorState.LRU:
-                first = self._lru_first()
+            if state is AnchorState.GREEDY_DUAL:
+                first = self._greedy_dual_first()
                 if first is not None:
                     return first
                 continue
@@ -402,10 +394,6 @@ class AnchorSet:
 
     def is_held(self, anchor: Anchor) -> bool:
         return anchor.state is AnchorState.HELD
-
-    def shared(self) -> Iterator[Anchor]:
-        """Live shared anchors, held or not: the only ones that can be held."""
-        return iter(self._shared.values())
 
     def held_window_nodes(self, hit_path: Sequence[Node] = (), hit: int = 0, window_blocks: int = 0) -> int:
         """Nodes whose SWA blocks only held shared anchors keep (not evictable while held),
@@ -446,9 +434,9 @@ class AnchorSet:
                 held = bool(anchor.kinds & SHARED_KINDS) and anchor.node.full_refs > 0
                 if state is AnchorState.HELD:
                     assert held, f"{anchor} is held, but it is not shared or no running request holds its node"
-                elif state is AnchorState.LRU:
+                elif state is AnchorState.GREEDY_DUAL:
                     assert not held, f"{anchor} is in use but not held"
-                    assert anchor.entry in in_heap, f"{anchor} is not in the LRU order"
+                    assert anchor.entry in in_heap, f"{anchor} is not in the GREEDY_DUAL order"
                 elif state in _DEMOTED:
                     assert anchor.served == (state is AnchorState.DEMOTED_SERVED), f"{anchor} is in the wrong demoted queue"
         shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}

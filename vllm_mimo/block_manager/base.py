@@ -141,7 +141,17 @@ class Observers:
     """The subscribed observers' handlers, per event; a subscriber's handler is listed only
     where it overrides `CacheObserver`'s, so an event nobody wants costs nothing."""
 
-    EVENTS = ("admitted", "cached", "allocated", "freed", "withdrawn", "anchor_placed", "anchor_demoted", "anchor_evicted", "blocks_evicted")
+    EVENTS = (
+        "admitted",
+        "cached",
+        "allocated",
+        "freed",
+        "withdrawn",
+        "anchor_placed",
+        "anchor_demoted",
+        "anchor_evicted",
+        "blocks_evicted",
+    )
 
     def __init__(self) -> None:
         self.admitted: list = []
@@ -208,6 +218,11 @@ class AnchorPolicy(CacheObserver, ABC):
     def worth(self, anchor: Anchor) -> float:
         """What `anchor` is worth per block it keeps, in hit tokens (orders the live anchors:
         `anchors.AnchorState`)."""
+
+    def victim(self, anchors: AnchorSet, include_held: bool = False) -> Anchor | None:
+        """The anchor to evict next: the eviction order's (`AnchorSet.victim`). A policy that
+        evicts otherwise (eval's clairvoyant bound) overrides it."""
+        return anchors.victim(include_held)
 
 
 class KVCache(ABC):

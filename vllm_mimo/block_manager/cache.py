@@ -15,9 +15,9 @@ a referenced descendant and Full eviction can always go leaf first.
 
 Where a new block comes from: the pool's own free list, else the other pool's (see `pools.py`),
 else eviction (`evict`). Anchors may also have a cap a user sets (`anchor_budget_fraction`); over
-it, anchors are evicted. With a host tier (`host_tier.py`), an evicted anchor is demoted to host memory
-instead of dropped (but a grid point or prompt end given up on before it served:
-`_evict_anchor`), and a request's hit extends into what the host holds (`host_extend`): its
+it, anchors are evicted. With a host tier (`host_tier.py`, whose rules are all written
+there), an evicted anchor is demoted to host memory instead of dropped (`HostTier.demote`), and
+a request's hit extends into what the host holds (`host_extend`): its
 positions past the device's hit get Full blocks like new tokens, SWA blocks only for the window
 before the load's end, and are loaded from host (`take_load`), the way vLLM treats a KV
 connector's external computed tokens. Loaded positions are not computed, so the SWA KV of the
@@ -28,9 +28,10 @@ device (`_window_on_device`).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet, AnchorState
+from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
 from vllm_mimo.block_manager.base import (
     ANCHOR_BUDGET,
     AnchorPolicy,
@@ -43,16 +44,47 @@ from vllm_mimo.block_manager.base import (
     SizeInfo,
 )
 from vllm_mimo.block_manager.geometry import KVGeometry, cdiv
-from vllm_mimo.block_manager.host_tier import Copy, HostTier, LoadPlan
+from vllm_mimo.block_manager.host_tier import Copy, HostMatch, HostTier, LoadPlan
 from vllm_mimo.block_manager.placement import AnchorPlacement
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch, position_hashes
 from vllm_mimo.config import MimoConfig, MimoConfigError
 
-
 _NO_MATCH = TreeMatch([], 0)
-_NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
-"""Anchor kinds the host tier does not take from the device once demoted unserved (`_evict_anchor`)."""
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One allocation's plan (`HybridKVCache.allocate`), in positions, and the blocks it took."""
+
+    match: TreeMatch
+    """The prefix an admission adopts (`_NO_MATCH` for a running request)."""
+    keys: Sequence[Any]
+    """An admission's node keys (`position_hashes`)."""
+    hit: int
+    """The window-safe hit an admission adopts."""
+    have_full: int
+    """Positions with Full blocks before the new ones: held, or adopted (hit and takeover)."""
+    have_swa: int
+    """Positions with SWA entries before the new ones."""
+    adopted_full: int = 0
+    adopted_swa: int = 0
+    """Nodes an admission takes out of the evictable sets (`TreeMatch.unreferenced`)."""
+    extension: HostMatch | None = None
+    """The host tier's extension of an admission's hit, loaded (`external_tokens`)."""
+    loaded: range = range(0)
+    """Positions a host extension loads SWA KV into."""
+    end: int = 0
+    tail: int = 0
+    """New SWA blocks go to `loaded`, `windows` and `tail`..`end`."""
+    windows: Collection[int] = frozenset()
+    kept: int = 0
+    """New SWA positions: the step's `RequestBlocks.step_blocks`."""
+    need_full: int = 0
+    need_swa: int = 0
+    full: list[Blocks] | None = None
+    swa: list[Blocks | None] | None = None
+    """The positions the allocation added (`NewBlocks`)."""
 
 
 def auto_swa_pool_blocks(geometry: KVGeometry, max_running: int, anchor_budget_blocks: int) -> int:
@@ -67,11 +99,10 @@ class HybridKVCache(KVCache):
 
     `window_local`: the SWA groups' attention runs window-locally (see the module docstring).
     `host_pages`: host memory for the host tier, in pages of a device block's bytes (0: no
-    tier); `host_dense`: the tier keeps every stored position's SWA KV (`HostTier`'s `dense`).
-    `anchor_filter`, `anchor_victim` and `anchor_worth` are for measuring tools
-    (`eval.replay_bound`, `eval.replay_sensitivity`), never for serving: a veto on anchor
-    placements (`AnchorPlacement.only_where`), a choice of victim among a tier of anchors
-    (`AnchorSet.victim_in_tier`), and an anchor's worth in place of the policy's."""
+    tier). `anchor_policy` and `host_tier` build the anchor policy and the host tier, called
+    with `AnchorPlacement`'s and `HostTier`'s arguments: those classes (the plugin's), or a
+    subclass of theirs (eval's variants: `eval.replay_bound`, `eval.replay_sensitivity`,
+    `eval.host_dense`)."""
 
     def __init__(
         self,
@@ -84,12 +115,10 @@ class HybridKVCache(KVCache):
         use_eagle: bool = False,
         max_num_running: int = 256,
         observers: Iterable[CacheObserver] = (),
-        anchor_filter: Callable[[Node, AnchorKind], bool] | None = None,
-        anchor_victim: Callable[[list[Anchor]], Anchor] | None = None,
-        anchor_worth: Callable[[Anchor], float] | None = None,
         window_local: bool = False,
         host_pages: int = 0,
-        host_dense: bool = False,
+        anchor_policy: Callable[..., AnchorPolicy] = AnchorPlacement,
+        host_tier: Callable[..., HostTier] = HostTier,
     ) -> None:
         self.geometry = geometry
         self.window_local = window_local
@@ -106,11 +135,52 @@ class HybridKVCache(KVCache):
         self.hash_stride = geometry.block_size // hash_block_size
         self._n_full = geometry.full_ids_per_position
         self._n_swa = geometry.swa_ids_per_position
-
         all_blocks = geometry.num_blocks - 1
         self.anchor_budget_blocks = (
             all_blocks if config.anchor_budget_fraction is None else int(config.anchor_budget_fraction * all_blocks)
         )
+        self.pools = BlockPools(geometry.num_blocks, self._swa_pool_blocks(config, max_num_running))
+        self.tree = PrefixTree()
+        self.host = (
+            host_tier(
+                self.tree, host_pages, self._n_full, self._n_swa, self.window_blocks, self.block_size,
+                back_off=1 if use_eagle else 0,
+            )
+            if host_pages
+            else None
+        )
+        self.placement: AnchorPolicy = self._anchor_policy(config, anchor_policy)
+        self._observers = Observers()
+        self.anchors = AnchorSet(
+            self.anchor_window_blocks if self.window_blocks else 0,
+            self.placement.starts_demoted,
+            self._anchor_placed,
+            self._anchor_demoted,
+            worth=self.placement.worth,
+        )
+        self.subscribe(self.placement)
+        for observer in observers:
+            self.subscribe(observer)
+        self._requests: dict[str, RequestBlocks] = {}
+        self._tick = 0
+
+    def _anchor_policy(self, config: MimoConfig, anchor_policy: Callable[..., AnchorPolicy]) -> AnchorPolicy:
+        """The anchor policy, built with `AnchorPlacement`'s arguments."""
+        # Evicted anchors are remembered as many as half the blocks (or a smaller cap) hold:
+        # what twice that would keep (the size of ARC's ghost lists).
+        anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
+        return anchor_policy(
+            self.block_size,
+            config.grid_anchor_tokens,
+            config.hot_prefix_min_hits,
+            ghost_capacity=min(self.anchor_budget_blocks, (self.geometry.num_blocks - 1) // 2) // anchor_blocks,
+            window_cost=anchor_blocks,
+            full_blocks_per_position=self._n_full,
+        )
+
+    def _swa_pool_blocks(self, config: MimoConfig, max_num_running: int) -> int:
+        """The SWA pool's size: `swa_pool_fraction`, or `auto_swa_pool_blocks`."""
+        geometry = self.geometry
         if config.swa_pool_fraction is None:
             swa_blocks = auto_swa_pool_blocks(geometry, max_num_running, self.anchor_budget_blocks)
         else:
@@ -122,47 +192,7 @@ class HybridKVCache(KVCache):
                 f"({geometry.swa_blocks_per_request} = {self._n_swa} SWA blocks per position x "
                 f"{geometry.window_blocks + 1} positions); raise it or leave it null (auto)"
             )
-        self.pools = BlockPools(geometry.num_blocks, swa_blocks)
-        self.tree = PrefixTree()
-        self.host = (
-            HostTier(
-                self.tree, host_pages, self._n_full, self._n_swa, self.window_blocks,
-                dense=host_dense, back_off=1 if use_eagle else 0,
-            )
-            if host_pages
-            else None
-        )
-        self._loads: dict[str, LoadPlan] = {}
-        self._stores: list[tuple[str, Copy]] = []
-        # Nodes cached since the last `take_stores` (at schedule time, as vLLM caches blocks):
-        # their KV is written by the coming forward, so an anchor on one is not stored yet.
-        self._uncomputed: set[int] = set()
-        # Evicted anchors are remembered as many as half the blocks (or a smaller cap) hold:
-        # what twice that would keep (the size of ARC's ghost lists).
-        anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
-        self.placement: AnchorPolicy = AnchorPlacement(
-            geometry.block_size,
-            config.grid_anchor_tokens,
-            config.hot_prefix_min_hits,
-            ghost_capacity=min(self.anchor_budget_blocks, all_blocks // 2) // anchor_blocks,
-            only_where=anchor_filter,
-            window_cost=anchor_blocks,
-            full_blocks_per_position=self._n_full,
-        )
-        self._observers = Observers()
-        self.anchors = AnchorSet(
-            self.anchor_window_blocks if self.window_blocks else 0,
-            self.placement.starts_demoted,
-            self._anchor_placed,
-            self._anchor_demoted,
-            victim_in_tier=anchor_victim,
-            worth=anchor_worth or self.placement.worth,
-        )
-        self.subscribe(self.placement)
-        for observer in observers:
-            self.subscribe(observer)
-        self._requests: dict[str, RequestBlocks] = {}
-        self._tick = 0
+        return swa_blocks
 
     def subscribe(self, observer: CacheObserver) -> None:
         self._observers.register(observer)
@@ -204,22 +234,18 @@ class HybridKVCache(KVCache):
             return 0
         positions = max_tokens // self.block_size
         hit = match.safe_blocks
-        keys = self.position_hashes(request, positions)
-        extended = self.host.extend(keys, match.path, hit, match.takeover(hit), positions)
+        extended = self.host.extend(self.position_hashes(request, positions), match, hit, positions)
         return (extended.blocks - hit) * self.block_size
 
     def take_load(self, request_id: str) -> LoadPlan | None:
         """The copies from host that the latest admission of this request needs (its host
-        extension), held until `finish_load`."""
-        return self._loads.pop(request_id, None)
+        extension), held until `finish_load` (`HostTier.take_load`)."""
+        return self.host.take_load(request_id) if self.host is not None else None
 
     def finish_load(self, plan: LoadPlan, failed: bool = False) -> None:
-        """A load plan's copies are done, or `failed` (the request recomputes; `HostTier.fail_load`)."""
+        """A load plan's copies are done, or `failed` (the request recomputes; `HostTier.finish_load`)."""
         assert self.host is not None
-        if failed:
-            self.host.fail_load(plan)
-        else:
-            self.host.finish_load(plan)
+        self.host.finish_load(plan, failed)
 
     def remaining_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks a request needs beyond those it holds to reach `num_tokens` tokens: Full for
@@ -232,14 +258,15 @@ class HybridKVCache(KVCache):
         return max(0, positions - have_full) * self._n_full + max(0, swa - have_swa) * self._n_swa
 
     def take_stores(self) -> list[tuple[str, Copy]]:
-        """The copies to host that demotions since the last call need ("full" / "swa"). Called
-        once per step, when its scheduling is done (the copies run before its forward): the
-        positions cached since, computed by that forward, may be stored from then on."""
-        stores, self._stores = self._stores, []
-        self._uncomputed.clear()
-        return stores
+        """The copies to host that demotions since the last call need (`HostTier.take_stores`);
+        called once per step, when its scheduling is done."""
+        return self.host.take_stores() if self.host is not None else []
 
     # -------------------------------------------------------------- allocation
+    #
+    # `allocate` in steps: plan (`_plan_admission` or a running request's holdings, then
+    # `_plan_blocks`), admit only if it fits (`_fits`), then commit (`_commit`: adopt the hit,
+    # take blocks, plan a host load, tell the policy), and end (`_allocated`).
 
     def allocate(
         self,
@@ -255,146 +282,177 @@ class HybridKVCache(KVCache):
         external_tokens: int = 0,
     ) -> NewBlocks | None:
         self._tick += 1
+        bs = self.block_size
         state = self._requests.get(request.request_id)
         total_computed = min(request.num_computed_tokens + hit_tokens + external_tokens, self.max_model_len)
         num_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        bs, n_full, n_swa, window = self.block_size, self._n_full, self._n_swa, self.window_blocks
-        if (
-            state is not None
-            and cdiv(num_slots, bs) <= min(len(state.full), len(state.swa))
-            and not (hit_tokens or external_tokens or headroom or whole_request)
-        ):
-            # A step within the positions the request holds (most decode steps): what the
-            # planning below comes to when it adds nothing.
-            self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
-            return self._allocated(request, state, 0, (), num_lookahead_tokens, total_computed + num_new_tokens, cache)
-
-        hit = hit_tokens // bs
-        load_end = hit + external_tokens // bs  # a host extension: positions hit..load_end
-        host_path: list[Node] | None = None
-        adopted_full = adopted_swa = 0
-        keys: Sequence[Any] = ()
+        num_tokens = total_computed + num_new_tokens
         if external_tokens and (state is not None or external_tokens % bs):
             raise ValueError(
                 f"request {request.request_id}: {external_tokens} external tokens: only an admission "
                 f"takes them, in whole {bs}-token positions"
             )
-        if state is not None:
-            self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
-            match = _NO_MATCH
-            have_full, have_swa = len(state.full), len(state.swa)
+        if state is None:
+            plan = self._plan_admission(request, hit_tokens, match, external_tokens)
         else:
-            positions = (request.num_tokens - 1) // bs
-            keys = position_hashes(request.block_hashes, self.hash_stride, positions)
-            if match is None or not match.holds(hit, window):
-                # The tree changed since the lookup, or the caller trimmed the hit: match again.
-                match = self.tree.match(keys, positions, window)
-                if hit and not match.holds(hit, window):
-                    raise ValueError(
-                        f"request {request.request_id}: {hit_tokens} computed tokens passed in, "
-                        f"but only {match.safe_blocks * bs} are a window-safe hit"
-                    )
-                if not self.enable_caching:
-                    match = _NO_MATCH
-            have_full, have_swa = hit + match.takeover(hit), hit
-            adopted_full, adopted_swa = match.unreferenced(hit, window)
-            if load_end > hit:
-                extended = self.host.extend(keys, match.path, hit, match.takeover(hit), positions) if self.host else None
-                if extended is None or extended.blocks < load_end:
-                    raise ValueError(
-                        f"request {request.request_id}: {external_tokens} external tokens passed in, but the "
-                        f"host tier extends its hit of {hit_tokens} tokens by {0 if extended is None else (extended.blocks - hit) * bs}"
-                    )
-                host_path = extended.path
-
-        end = cdiv(num_slots, bs)
-        full_positions, swa_positions = max(0, end - have_full), max(0, end - have_swa)
-        # A host extension's positions are loaded, not computed (see the module docstring).
-        computed_from, loaded = have_swa, range(0)
-        if host_path is not None:
-            computed_from, loaded = load_end, range(max(hit, load_end - window), load_end)
-        # Window-local: SWA blocks only from `tail` on and for `windows` (see the module docstring).
-        tail, windows = computed_from, set()
-        if self.window_local and end > computed_from:
-            tail = max(computed_from, min(end, self.window_start(total_computed + num_new_tokens)))
-            if tail > computed_from:
-                windows = self.anchor_window_positions(
-                    request,
-                    match.path if state is None else state.nodes,
-                    hit if state is None else state.num_cached,
-                    len(match.path) - 1 if state is None else -1,
-                    computed_from,
-                    tail,
-                )
-        kept_positions = len(loaded) + len(windows) + max(0, end - tail)
-        need_full, need_swa = full_positions * n_full, kept_positions * n_swa
-        need = need_full + need_swa + headroom
+            self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
+            if cdiv(num_slots, bs) <= min(len(state.full), len(state.swa)) and not (hit_tokens or headroom or whole_request):
+                # A step within the positions the request holds (most decode steps): what the
+                # planning below comes to when it adds nothing.
+                return self._allocated(request, state, 0, (), num_lookahead_tokens, num_tokens, cache)
+            plan = _Plan(_NO_MATCH, (), 0, len(state.full), len(state.swa))
+        self._plan_blocks(request, state, plan, cdiv(num_slots, bs), num_tokens)
+        need = plan.need_full + plan.need_swa + headroom
         if whole_request:
-            total = cdiv(min(request.num_tokens, self.max_model_len), bs) - have_full
-            need = max(need_full, total * n_full) + need_swa + headroom
+            total = cdiv(min(request.num_tokens, self.max_model_len), bs) - plan.have_full
+            need = max(plan.need_full, total * self._n_full) + plan.need_swa + headroom
         # Held shared anchors are kept for the other requests that reach them; with no other
         # request running they may go, or a request that needs nearly every block could never
         # run (vLLM would wait for it forever).
         evict_held = len(self._requests) == (0 if state is None else 1)
-        free = self.pools.num_free_total()
-        if need > free:
-            # Everything cached that nobody references is evictable, less what the request
-            # adopts and, unless `evict_held`, the windows held shared anchors keep (admitting
-            # the request may hold more).
-            tree = self.tree
-            evictable_full = (tree.unreferenced_full - adopted_full) * n_full
-            evictable = evictable_full + (tree.retained_swa - adopted_swa) * n_swa
-            # Held windows are part of the retained SWA: count them only when the Full KV
-            # alone would not cover the request (the count walks every held anchor).
-            if not evict_held and need > free + evictable_full:
-                evictable -= self.anchors.held_window_nodes(match.path, hit, window) * n_swa
-            if need > free + evictable:
-                return None
+        if not self._fits(plan, need, evict_held):
+            return None
+        state = self._commit(request, state, plan, evict_held, hit_tokens + external_tokens)
+        return self._allocated(
+            request, state, plan.kept, plan.windows, num_lookahead_tokens, num_tokens, cache, plan.full, plan.swa
+        )
 
+    def _plan_admission(self, request: Any, hit_tokens: int, match: TreeMatch | None, external_tokens: int) -> _Plan:
+        """The prefix a request not running yet adopts: a window-safe hit of `hit_tokens` (of
+        `match`, or the prefix matched again) and the pseudo hit after it, extended by
+        `external_tokens` from the host tier."""
+        bs, window = self.block_size, self.window_blocks
+        hit = hit_tokens // bs
+        positions = (request.num_tokens - 1) // bs
+        keys = position_hashes(request.block_hashes, self.hash_stride, positions)
+        if match is None or not match.holds(hit, window):
+            # The tree changed since the lookup, or the caller trimmed the hit: match again.
+            match = self.tree.match(keys, positions, window)
+            if hit and not match.holds(hit, window):
+                raise ValueError(
+                    f"request {request.request_id}: {hit_tokens} computed tokens passed in, "
+                    f"but only {match.safe_blocks * bs} are a window-safe hit"
+                )
+            if not self.enable_caching:
+                match = _NO_MATCH
+        plan = _Plan(match, keys, hit, hit + match.takeover(hit), hit)
+        plan.adopted_full, plan.adopted_swa = match.unreferenced(hit, window)
+        if external_tokens:
+            extended = self.host.extend(keys, match, hit, positions) if self.host is not None else None
+            load_end = hit + external_tokens // bs
+            if extended is None or extended.blocks < load_end:
+                raise ValueError(
+                    f"request {request.request_id}: {external_tokens} external tokens passed in, but the host tier "
+                    f"extends its hit of {hit_tokens} tokens by {0 if extended is None else (extended.blocks - hit) * bs}"
+                )
+            plan.extension = HostMatch(extended.path, hit, load_end)
+        return plan
+
+    def _plan_blocks(self, request: Any, state: RequestBlocks | None, plan: _Plan, end: int, num_tokens: int) -> None:
+        """The positions up to `end` that get new blocks: Full every one the request does not
+        hold; SWA the positions a host extension loads and those computed from then on, only
+        from `tail` on and for `windows` when window-local (see the module docstring)."""
+        computed_from = plan.have_swa
+        if plan.extension is not None:  # loaded, not computed (see the module docstring)
+            load_end = plan.extension.blocks
+            computed_from, plan.loaded = load_end, range(max(plan.hit, load_end - self.window_blocks), load_end)
+        plan.end, plan.tail = end, computed_from
+        if self.window_local and end > computed_from:
+            plan.tail = max(computed_from, min(end, self.window_start(num_tokens)))
+            if plan.tail > computed_from:
+                plan.windows = self.anchor_window_positions(
+                    request,
+                    plan.match.path if state is None else state.nodes,
+                    plan.hit if state is None else state.num_cached,
+                    len(plan.match.path) - 1 if state is None else -1,
+                    computed_from,
+                    plan.tail,
+                )
+        plan.kept = len(plan.loaded) + len(plan.windows) + max(0, end - plan.tail)
+        plan.need_full = max(0, end - plan.have_full) * self._n_full
+        plan.need_swa = plan.kept * self._n_swa
+
+    def _fits(self, plan: _Plan, need: int, evict_held: bool) -> bool:
+        """Whether `need` block ids are free or evictable once the request adopts its plan."""
+        free = self.pools.num_free_total()
+        if need <= free:
+            return True
+        # Everything cached that nobody references is evictable, less what the request adopts
+        # and, unless `evict_held`, the windows held shared anchors keep (admitting the request
+        # may hold more).
+        tree, n_full, n_swa = self.tree, self._n_full, self._n_swa
+        evictable_full = (tree.unreferenced_full - plan.adopted_full) * n_full
+        evictable = evictable_full + (tree.retained_swa - plan.adopted_swa) * n_swa
+        # Held windows are part of the retained SWA: count them only when the Full KV alone
+        # would not cover the request (the count walks every held anchor).
+        if not evict_held and need > free + evictable_full:
+            evictable -= self.anchors.held_window_nodes(plan.match.path, plan.hit, self.window_blocks) * n_swa
+        return need <= free + evictable
+
+    def _commit(
+        self, request: Any, state: RequestBlocks | None, plan: _Plan, evict_held: bool, admitted_tokens: int
+    ) -> RequestBlocks:
+        """Carry out a plan that fits: admit the request (if new), take its blocks, plan its
+        host load; returns its blocks."""
+        extension = plan.extension
+        host = self.host if extension is not None else None  # an extension implies a host tier
+        held = host.hold_load(extension, plan.have_full) if host is not None and extension is not None else []
         admitting = state is None
-        held = self.host.hold(self._load_sources(host_path, hit, have_full, load_end)) if host_path is not None else []
-        if admitting:
-            # The request references its whole Full path, hit and pseudo hit, keeping its prefix
-            # in the tree. It recomputes the pseudo hit: into the nodes' own Full blocks for the
-            # first `takeover` positions (nobody else is reading them, and vLLM caches blocks at
-            # schedule time the same way), into blocks of its own for the rest.
-            state = RequestBlocks()
-            path = match.path
-            state.swa, anchored = self.tree.adopt(path, hit, window, self._tick)
-            state.nodes = list(path)
-            state.full = [node.full_blocks for node in path[:have_full]]  # type: ignore[misc]
-            state.swa_start = max(0, hit - window)
-            state.num_cached = hit
-            state.adopted_full = have_full
-            # A hit ends at an anchor (or inside a running request's window).
-            anchor = path[hit - 1].anchor if hit else None
-            decisions = self.placement.on_hit(anchor, goes_on=len(path) == hit) if anchor is not None else ()
-            self.anchors.hold_nodes(anchored)
-            if anchor is not None:
-                self.anchors.record_hit(anchor)
-            self._apply(decisions)
-        if need_full + need_swa > free and not self.evict(need_full + need_swa, EvictionCause(need_full, need_swa), evict_held):
-            raise AssertionError("allocation plan and pools disagree")
-        new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
-        # zip over one iterator n times: consecutive ids in tuples of n, one per position.
-        full: list[Blocks] = list(zip(*[iter(new_full)] * n_full))
-        swa: list[Blocks | None] = [None] * swa_positions
-        for pos, ids in zip((*loaded, *sorted(windows), *range(tail, end)), zip(*[iter(new_swa)] * n_swa)):
-            swa[pos - have_swa] = ids
-        state.full.extend(full)
-        state.swa.extend(swa)
-        if host_path is not None:
-            self._plan_load(request, host_path, hit, have_full, load_end, full, swa, held)
+        if state is None:
+            state = self._admit(plan)
+        self._take_blocks(state, plan, evict_held)
+        if host is not None and extension is not None:
+            host.plan_load(
+                request.request_id, extension, plan.have_full, held, plan.full, plan.swa,  # type: ignore[arg-type]
+                bool(request.num_preemptions), self._tick,
+            )
             # The request reads the window before the load's end next: the hit's older SWA goes.
-            if load_end - window > state.swa_start:
-                self._release_swa(state, load_end - window)
-                state.swa_start = load_end - window
+            self._release_swa_below(state, extension.blocks - self.window_blocks)
         if admitting:
             self._requests[request.request_id] = state
             for admitted in self._observers.admitted:
-                admitted(request, hit_tokens + external_tokens, state.nodes)
-            self._apply(self.placement.on_admitted(request, keys, state.nodes, hit_tokens + external_tokens))
-        return self._allocated(request, state, kept_positions, windows, num_lookahead_tokens, total_computed + num_new_tokens, cache, full, swa)
+                admitted(request, admitted_tokens, state.nodes)
+            self._apply(self.placement.on_admitted(request, plan.keys, state.nodes, admitted_tokens))
+        return state
+
+    def _admit(self, plan: _Plan) -> RequestBlocks:
+        """A new request's blocks: it references its whole Full path, hit and pseudo hit, keeping
+        its prefix in the tree. It recomputes the pseudo hit: into the nodes' own Full blocks for
+        the first `takeover` positions (nobody else is reading them, and vLLM caches blocks at
+        schedule time the same way), into blocks of its own for the rest."""
+        path, hit, window = plan.match.path, plan.hit, self.window_blocks
+        state = RequestBlocks()
+        state.swa, anchored = self.tree.adopt(path, hit, window, self._tick)
+        state.nodes = list(path)
+        state.full = [node.full_blocks for node in path[: plan.have_full]]  # type: ignore[misc]
+        state.swa_start = max(0, hit - window)
+        state.num_cached = hit
+        state.adopted_full = plan.have_full
+        # A hit ends at an anchor (or inside a running request's window).
+        anchor = path[hit - 1].anchor if hit else None
+        decisions = self.placement.on_hit(anchor, goes_on=len(path) == hit) if anchor is not None else ()
+        self.anchors.hold_nodes(anchored)
+        if anchor is not None:
+            self.anchors.record_hit(anchor)
+        self._apply(decisions)
+        return state
+
+    def _take_blocks(self, state: RequestBlocks, plan: _Plan, evict_held: bool) -> None:
+        """Evict what the plan needs, take its blocks and give them to the request's positions
+        (`plan.full`, `plan.swa`: the positions it adds)."""
+        n_full, n_swa, need_full, need_swa = self._n_full, self._n_swa, plan.need_full, plan.need_swa
+        need = need_full + need_swa
+        if need > self.pools.num_free_total() and not self.evict(need, EvictionCause(need_full, need_swa), evict_held):
+            raise AssertionError("allocation plan and pools disagree")
+        new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
+        # zip over one iterator n times: consecutive ids in tuples of n, one per position.
+        plan.full = list(zip(*[iter(new_full)] * n_full, strict=False))
+        plan.swa = [None] * max(0, plan.end - plan.have_swa)
+        positions = (*plan.loaded, *sorted(plan.windows), *range(plan.tail, plan.end))
+        for pos, ids in zip(positions, zip(*[iter(new_swa)] * n_swa, strict=False), strict=False):
+            plan.swa[pos - plan.have_swa] = ids
+        state.full.extend(plan.full)
+        state.swa.extend(plan.swa)
 
     def _allocated(
         self,
@@ -422,38 +480,6 @@ class HybridKVCache(KVCache):
             self._cache(request, state, min(num_tokens, request.num_tokens))
         self._enforce_anchor_budget()
         return NewBlocks(full or [], swa or [])
-
-    def _load_sources(self, path: list[Node], hit: int, have_full: int, load_end: int) -> list[Node]:
-        """The nodes whose host copies a host extension reads: Full past what the request adopts
-        from the device, SWA of the window before its end."""
-        full = path[max(hit, have_full) : load_end]
-        return full + path[max(hit, load_end - self.window_blocks) : load_end]
-
-    def _plan_load(
-        self,
-        request: Any,
-        path: list[Node],
-        hit: int,
-        have_full: int,
-        load_end: int,
-        full: list[Blocks],
-        swa: list[Blocks | None],
-        held: list[Node],
-    ) -> None:
-        assert self.host is not None
-        plan = LoadPlan(held=held)
-        for pos in range(max(hit, have_full), load_end):
-            plan.full.append(Copy(path[pos].host_full, full[pos - have_full]))  # type: ignore[arg-type]
-        for pos in range(max(hit, load_end - self.window_blocks), load_end):
-            plan.swa.append(Copy(path[pos].host_swa, swa[pos - hit]))  # type: ignore[arg-type]
-        stats = self.host.stats
-        stats.loaded_full += len(plan.full)
-        stats.loaded_swa += len(plan.swa)
-        stats.hit_tokens += (load_end - hit) * self.block_size
-        if request.num_preemptions:
-            stats.swapped_in_tokens += (load_end - hit) * self.block_size
-        self.host.touch(path[load_end - 1], self._tick)
-        self._loads[request.request_id] = plan
 
     def anchor_window_positions(
         self, request: Any, nodes: Sequence[Node], num_cached: int, junction: int, start: int, stop: int
@@ -504,7 +530,7 @@ class HybridKVCache(KVCache):
         branched, anchored = self.tree.add_positions(state.nodes, keys, state.full, state.swa, start, self._tick)
         self.tree.share_swa(state.nodes, state.swa, max(state.swa_start, start - self.anchor_window_blocks), start)
         if self.host is not None:
-            self._uncomputed.update(id(node) for node in state.nodes[start:end])
+            self.host.cached(state.nodes[start:end])
         state.num_cached = end
         decisions = self.placement.on_cached(request, state.nodes, start, end, branched)
         self.anchors.hold_nodes(anchored)
@@ -537,7 +563,10 @@ class HybridKVCache(KVCache):
 
     def _release_out_of_window(self, state: RequestBlocks, processed_tokens: int) -> None:
         """Release SWA blocks before `window_start`."""
-        first_needed = self.window_start(processed_tokens)
+        self._release_swa_below(state, self.window_start(processed_tokens))
+
+    def _release_swa_below(self, state: RequestBlocks, first_needed: int) -> None:
+        """Let go of the request's SWA blocks before position `first_needed` (`_release_swa`)."""
         if first_needed > state.swa_start:
             self._release_swa(state, min(first_needed, len(state.swa)))
             state.swa_start = first_needed
@@ -629,7 +658,7 @@ class HybridKVCache(KVCache):
                 self.pools.give_back(full[pos])
         for pos in range(max(computed, state.swa_start), len(swa)):
             if swa[pos] is not None:
-                self.pools.give_back(swa[pos])
+                self.pools.give_back(swa[pos])  # type: ignore[arg-type]
         withdrawn = max(0, state.num_cached - computed)
         del nodes[computed:], full[computed:], swa[computed:]
         state.num_cached = min(state.num_cached, computed)
@@ -667,8 +696,6 @@ class HybridKVCache(KVCache):
             pass
         if self.host is not None:
             self.host.clear()
-            self._stores.clear()
-            self._uncomputed.clear()
         assert not self.tree.nodes, "reset left nodes in the tree"
         self.tree.clear()
         return True
@@ -683,7 +710,7 @@ class HybridKVCache(KVCache):
             if leaves:
                 short -= leaves * n_full
                 continue
-            anchor = self.anchors.victim(include_held=evict_held)
+            anchor = self.placement.victim(self.anchors, evict_held)
             if anchor is None:
                 return False
             self._evict_anchor(anchor, cause)
@@ -692,7 +719,7 @@ class HybridKVCache(KVCache):
 
     def _enforce_anchor_budget(self) -> None:
         while self.tree.retained_swa * self._n_swa > self.anchor_budget_blocks:
-            anchor = self.anchors.victim()
+            anchor = self.placement.victim(self.anchors)
             if anchor is None:
                 return
             self._evict_anchor(anchor, ANCHOR_BUDGET)
@@ -710,20 +737,9 @@ class HybridKVCache(KVCache):
     def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
         for evicted in self._observers.anchor_evicted:
             evicted(anchor, cause)
-        # The host takes every evicted anchor but a grid point or a prompt's end demoted before
-        # it served: grid points are placed everywhere on speculation, a prompt's end is passed
-        # by its own output and then serves only a retry of that prompt, and one the policy gave
-        # up on is not worth a window of host memory (how this was chosen: eval/RESULTS.md,
-        # issue 21). Output ends are kept: a next turn that comes late continues from one.
-        given_up = anchor.state is AnchorState.DEMOTED_UNSERVED and anchor.kinds <= _NOT_STORED_WHEN_GIVEN_UP
+        if self.host is not None:
+            self.host.demote(anchor, self._tick)
         self.anchors.evicted(anchor)
-        if self.host is not None and id(anchor.node) in self._uncomputed:
-            self.host.stats.uncomputed_stores += 1
-        elif self.host is not None and not given_up:
-            stored = self.host.stats.stored_anchors
-            self._stores.extend(self.host.store(anchor.node, anchor.window, self._tick))
-            if AnchorKind.RESUME in anchor.kinds and self.host.stats.stored_anchors > stored:
-                self.host.stats.swapped_out_tokens += (anchor.node.depth + 1) * self.block_size
         self._free_window(anchor)
 
     def _drop_anchor(self, anchor: Anchor) -> None:
@@ -760,7 +776,7 @@ class HybridKVCache(KVCache):
         if self.host is not None:
             self.host.check_integrity()
         self.anchors.check_integrity()
-        self.placement.check_integrity(list(self._requests))
+        self.placement.check_integrity(list(self._requests))  # type: ignore[attr-defined]
         pools = self.pools
         owner: dict[int, str] = {}
 
@@ -771,31 +787,7 @@ class HybridKVCache(KVCache):
                 assert pools.owner(block_id) == pool, f"{who} holds block {block_id} of the other pool"
                 owner[block_id] = who
 
-        full_refs: dict[int, int] = {}
-        swa_refs: dict[int, int] = {}
-        for rid, state in self._requests.items():
-            for node in state.nodes:
-                full_refs[id(node)] = full_refs.get(id(node), 0) + 1
-            for pos, ids in enumerate(state.full):
-                node = state.nodes[pos] if pos < len(state.nodes) else None
-                if node is None or node.full_blocks is not ids:
-                    own(ids, f"request {rid} full@{pos}", Pool.FULL)
-            live = 0
-            for pos, ids in enumerate(state.swa):
-                if ids is None:
-                    assert self.window_local or pos < state.swa_start or pos >= len(state.full), (rid, pos)
-                    continue
-                live += 1
-                assert pos >= state.swa_start, (rid, pos)
-                node = state.nodes[pos] if pos < len(state.nodes) else None
-                if node is not None and node.swa_blocks is ids:
-                    swa_refs[id(node)] = swa_refs.get(id(node), 0) + 1
-                else:
-                    own(ids, f"request {rid} swa@{pos}", Pool.SWA)
-            bound = self.anchor_window_blocks + 1 + state.step_blocks + state.lookahead_blocks
-            assert live <= bound, f"request {rid} holds {live} SWA positions, bound {bound}"
-            for i, node in enumerate(state.nodes):
-                assert node.depth == i, (rid, i, node)
+        full_refs, swa_refs = self._check_requests(own)
         anchor_refs: dict[int, int] = {}
         for anchor in self.anchors:
             assert anchor.node.anchor is anchor
@@ -814,3 +806,33 @@ class HybridKVCache(KVCache):
         retained = self.tree.retained_swa * self._n_swa
         assert retained <= self.anchor_budget_blocks or self.anchors.victim() is None, "anchor budget exceeded"
         assert len(owner) == pools.used[0] + pools.used[1], (len(owner), pools.used)
+
+    def _check_requests(self, own: Callable[[Iterable[int], str, Pool], None]) -> tuple[dict[int, int], dict[int, int]]:
+        """The running requests' invariants; their blocks go to `own` (those not the tree's).
+        Returns the Full and SWA references they hold, by node id."""
+        full_refs: dict[int, int] = {}
+        swa_refs: dict[int, int] = {}
+        for rid, state in self._requests.items():
+            for node in state.nodes:
+                full_refs[id(node)] = full_refs.get(id(node), 0) + 1
+            for pos, ids in enumerate(state.full):
+                node = state.nodes[pos] if pos < len(state.nodes) else None  # type: ignore[assignment]
+                if node is None or node.full_blocks is not ids:
+                    own(ids, f"request {rid} full@{pos}", Pool.FULL)
+            live = 0
+            for pos, ids in enumerate(state.swa):  # type: ignore[assignment]
+                if ids is None:
+                    assert self.window_local or pos < state.swa_start or pos >= len(state.full), (rid, pos)
+                    continue
+                live += 1
+                assert pos >= state.swa_start, (rid, pos)
+                node = state.nodes[pos] if pos < len(state.nodes) else None  # type: ignore[assignment]
+                if node is not None and node.swa_blocks is ids:
+                    swa_refs[id(node)] = swa_refs.get(id(node), 0) + 1
+                else:
+                    own(ids, f"request {rid} swa@{pos}", Pool.SWA)
+            bound = self.anchor_window_blocks + 1 + state.step_blocks + state.lookahead_blocks
+            assert live <= bound, f"request {rid} holds {live} SWA positions, bound {bound}"
+            for i, node in enumerate(state.nodes):
+                assert node.depth == i, (rid, i, node)
+        return full_refs, swa_refs

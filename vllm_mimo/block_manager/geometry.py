@@ -67,7 +67,7 @@ class KVGeometry:
         return self.swa_ids_per_position * (self.window_blocks + 1)
 
     @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: Any) -> "KVGeometry":
+    def from_kv_cache_config(cls, kv_cache_config: Any) -> KVGeometry:
         from vllm_mimo.compat import FullAttentionSpec, SlidingWindowSpec
 
         full: list[int] = []

@@ -1,29 +1,36 @@
-"""The host tier (L2): host copies of Full KV and of anchors' SWA windows, kept on the prefix
-tree's own nodes (`Node.host_full`, `Node.host_swa`). This is the index and the policy; the
-host memory itself and the copies are the data plane's (`vllm_mimo.offload`).
+"""The host tier (L2): host copies of Full KV and of anchors' SWA windows, indexed per prefix
+tree node (`HostSlot`, at `Node.host` while the host holds a copy of that node). This is the
+index and the policy; the host memory itself and the copies are the data plane's
+(`vllm_mimo.offload`).
 
-Device eviction of an anchor demotes it here instead of dropping it (`store`): the host takes a
+Device eviction of an anchor demotes it here instead of dropping it (`demote`): the host takes a
 copy of the Full KV of the anchor's path (from the anchor up to the first node the host already
-holds) and of the SWA KV of its window only ("mask-only"). With `dense`, every stored position's
-SWA KV is kept as well: what a tier that stores SWA tails whole would hold, the comparison that
-shows what mask-only buys (a replay engine only: the device no longer has the SWA KV of
-positions behind a window, so its bytes are counted as if written when computed). A request's
-hit then extends past the device's (`extend`): to the deepest position whose Full KV is on
-device or host and whose window has SWA KV on device or host. The positions past the device's
-hit are given blocks like new tokens and loaded from host (vLLM's external computed tokens);
-then they enter the tree as computed positions do.
+holds) and of the SWA KV of its window only ("mask-only"; eval's `DenseHostTier` keeps every
+stored position's SWA KV, the comparison that shows what mask-only buys). A request's hit then
+extends past the device's (`extend`): to the deepest position whose Full KV is on device or
+host and whose window has SWA KV on device or host. The positions past the device's hit are
+given blocks like new tokens and loaded from host (`hold_load`, `plan_load`: vLLM's external
+computed tokens); then they enter the tree as computed positions do.
+
+The cache calls: `extend` (lookups), `demote` (device anchor eviction), `cached` (positions
+cached this step), `take_stores` (once per step), `hold_load` / `plan_load` / `take_load` /
+`finish_load` (an admission's host extension), `clear`, `check_integrity`.
 
 The rules, each written once here:
+  * an evicted device anchor is stored unless it is a grid point or a prompt's end demoted
+    before it served (`NOT_STORED_WHEN_GIVEN_UP`), or its node was cached in the step being
+    scheduled (its KV is not computed yet: `HostStats.uncomputed_stores`);
   * host Full copies form a rooted subtree: a node has one only while its parent has one (a
     store walks up to the first node the host holds; eviction goes leaf first);
-  * a host SWA copy is kept while a host anchor's window covers the node (`dense`: while the
-    node's host Full copy is kept);
+  * a host SWA copy is kept while a host anchor's window covers the node;
   * the host evicts the least recently used host anchor first (last stored or hit), with its
     window and the Full copies up its path that no other host anchor or host child needs;
-    nodes of a planned load (`hold`) and the anchors whose windows cover them are never
+    nodes of a planned load (`hold_load`) and the anchors whose windows cover them are never
     evicted;
   * a store that does not fit once every evictable host anchor is gone is skipped: the anchor
-    is dropped, as with no host tier.
+    is dropped, as with no host tier;
+  * a load reads the Full copies past what the request adopts from the device and the SWA
+    copies of the window before the load's end.
 
 Units: host *pages* of the device's block size in bytes. A position's Full copy takes one page
 per Full block id of a position, its SWA copy one page per SWA block id.
@@ -38,7 +45,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree
+from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorState
+from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
+
+NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
+"""Anchor kinds the host does not take from the device once demoted unserved: grid points are
+placed everywhere on speculation, a prompt's end is passed by its own output and then serves
+only a retry of that prompt, and one the policy gave up on is not worth a window of host memory
+(how this was chosen: eval/RESULTS.md, issue 21). Output ends are kept: a next turn that comes
+late continues from one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +80,7 @@ class HostStats:
     """Anchors dropped because the host could not take them."""
     evicted_anchors: int = 0
     failed_loads: int = 0
-    """Loads whose copies failed (`fail_load`): their requests recomputed."""
+    """Loads whose copies failed (`finish_load` with `failed`): their requests recomputed."""
     uncomputed_stores: int = 0
     """Anchors evicted in the step that cached their node, before its forward computed it:
     dropped, not stored."""
@@ -78,9 +93,11 @@ class HostStats:
 @dataclass(frozen=True)
 class HostMatch:
     """A request's hit extended by the host: `path` its nodes from the start (device or host
-    Full), `blocks` the hit's positions (>= the device's window-safe hit)."""
+    Full), `hit` the device's window-safe hit it extends and `blocks` the extended hit's end
+    (positions, >= `hit`)."""
 
     path: list[Node]
+    hit: int
     blocks: int
 
 
@@ -108,9 +125,47 @@ class HostAnchor:
         return f"HostAnchor(depth={self.node.depth}, tick={self.tick})"
 
 
+class HostSlot:
+    """The host's copies of one node: `full` / `swa` pages (or None), `children` with a host
+    Full copy, `swa_refs` host anchors whose window covers it, the host `anchor` ending here.
+    A node has one (`Node.host`) exactly while `full` or `swa` is set, so the tree keeps the
+    node (`PrefixTree.prune`) while the host holds anything of it.
+
+    Why a slot on the node and not a dict keyed by node: the host's walks (`extend`, `demote`)
+    run per lookup and per eviction, and one attribute read is cheaper than a hash lookup; the
+    device-only cache pays one field per node."""
+
+    __slots__ = ("full", "swa", "children", "swa_refs", "anchor")
+
+    def __init__(self) -> None:
+        self.full: Blocks | None = None
+        self.swa: Blocks | None = None
+        self.children = 0
+        self.swa_refs = 0
+        self.anchor: HostAnchor | None = None
+
+
+def slot(node: Node) -> HostSlot:
+    """The node's host slot, created if missing."""
+    if node.host is None:
+        node.host = HostSlot()
+    return node.host
+
+
+def host_full(node: Node) -> Blocks | None:
+    """The node's host Full copy, if any."""
+    return None if node.host is None else node.host.full
+
+
+def host_swa(node: Node) -> Blocks | None:
+    """The node's host SWA copy, if any."""
+    return None if node.host is None else node.host.swa
+
+
 class HostTier:
-    """Host pages, the host copies on the tree's nodes, and the host anchors' order (see the
-    module docstring)."""
+    """Host pages, the host copies of the tree's nodes, and the host anchors' order (see the
+    module docstring). Its SWA rule is `swa_to_store`, `cover`, `uncover`, `full_freed` and
+    `check_swa`: what a variant of the tier overrides (eval's `DenseHostTier`)."""
 
     def __init__(
         self,
@@ -119,8 +174,8 @@ class HostTier:
         full_pages: int,
         swa_pages: int,
         window_blocks: int,
+        block_size: int,
         *,
-        dense: bool = False,
         back_off: int = 0,
     ) -> None:
         if num_pages < 1 or full_pages < 1 or swa_pages < 1:
@@ -130,14 +185,19 @@ class HostTier:
         self.full_pages = full_pages
         self.swa_pages = swa_pages
         self.window_blocks = window_blocks
+        self.block_size = block_size
         self.back_off = back_off
-        self.dense = dense
         self.stats = HostStats()
         self._free: deque[int] = deque(range(num_pages))
         self._seq = itertools.count()
         self._lru: list[tuple[int, int, HostAnchor]] = []  # (tick, seq, anchor); stale entries skipped
         self._anchors = 0
         self._holds: dict[int, int] = {}  # id(node) -> planned loads holding it
+        self._loads: dict[str, LoadPlan] = {}
+        self._stores: list[tuple[str, Copy]] = []
+        # Nodes cached since the last `take_stores` (at schedule time, as vLLM caches blocks):
+        # their KV is written by the coming forward, so an anchor on one is not stored yet.
+        self._uncomputed: set[int] = set()
 
     # ------------------------------------------------------------------ sizes
 
@@ -154,21 +214,45 @@ class HostTier:
 
     # ----------------------------------------------------------------- stores
 
+    def cached(self, nodes: Iterable[Node]) -> None:
+        """These nodes were cached in the step being scheduled: not stored before `take_stores`."""
+        self._uncomputed.update(id(node) for node in nodes)
+
+    def take_stores(self) -> list[tuple[str, Copy]]:
+        """The copies to host that demotions since the last call need ("full" / "swa"). Called
+        once per step, when its scheduling is done (the copies run before its forward): the
+        positions cached since, computed by that forward, may be stored from then on."""
+        stores, self._stores = self._stores, []
+        self._uncomputed.clear()
+        return stores
+
+    def demote(self, anchor: Anchor, tick: int) -> None:
+        """The device evicts `anchor` (its window still attached): stored here unless the
+        module docstring's first rule says not."""
+        if id(anchor.node) in self._uncomputed:
+            self.stats.uncomputed_stores += 1
+            return
+        if anchor.state is AnchorState.DEMOTED_UNSERVED and anchor.kinds <= NOT_STORED_WHEN_GIVEN_UP:
+            return
+        stored = self.stats.stored_anchors
+        self._stores.extend(self.store(anchor.node, anchor.window, tick))
+        if AnchorKind.RESUME in anchor.kinds and self.stats.stored_anchors > stored:
+            self.stats.swapped_out_tokens += (anchor.node.depth + 1) * self.block_size
+
     def store(self, node: Node, window: Sequence[Node], tick: int) -> list[tuple[str, Copy]]:
         """Demote the device anchor at `node` with `window` (its nodes, `node` first) to the host.
         Returns the copies to make, device to host ("full" / "swa", in that order of kinds); none
         if the host held it already or the store was skipped (`stats.skipped_stores`)."""
-        if node.host_anchor is not None:
-            node.host_anchor.tick = tick
-            heapq.heappush(self._lru, (tick, next(self._seq), node.host_anchor))
+        if node.host is not None and node.host.anchor is not None:
+            self._renew(node.host.anchor, tick)
             return []
         while True:
             path = []
             walk = node
-            while walk.depth >= 0 and walk.host_full is None:
+            while walk.depth >= 0 and (walk.host is None or walk.host.full is None):
                 path.append(walk)
-                walk = walk.parent
-            swa = [w for w in window if w.host_swa is None] if not self.dense else [n for n in path if n.host_swa is None]
+                walk = walk.parent  # type: ignore[assignment]
+            swa = self.swa_to_store(path, window)
             pages = len(path) * self.full_pages + len(swa) * self.swa_pages
             if pages <= len(self._free):
                 break
@@ -180,19 +264,16 @@ class HostTier:
         copies: list[tuple[str, Copy]] = []
         for n in reversed(path):  # top down: each parent holds a copy before its child
             assert n.full_blocks is not None, f"storing {n}: a live anchor's path has no device Full KV"
-            n.host_full = self._take(self.full_pages)
+            pages_full = slot(n).full = self._take(self.full_pages)
             if n.parent is not None and n.parent.depth >= 0:
-                n.parent.host_children += 1
-            copies.append(("full", Copy(n.host_full, n.full_blocks)))
+                n.parent.host.children += 1
+            copies.append(("full", Copy(pages_full, n.full_blocks)))
         for w in swa:
-            # Dense stores count SWA KV the device no longer has (see the module docstring).
-            w.host_swa = self._take(self.swa_pages)
-            copies.append(("swa", Copy(w.host_swa, w.swa_blocks or ())))
+            pages_swa = slot(w).swa = self._take(self.swa_pages)
+            copies.append(("swa", Copy(pages_swa, w.swa_blocks or ())))
         anchor = HostAnchor(node, list(window), tick)
-        node.host_anchor = anchor
-        if not self.dense:
-            for w in window:
-                w.host_swa_refs += 1
+        node.host.anchor = anchor
+        self.cover(window)
         self._anchors += 1
         heapq.heappush(self._lru, (tick, next(self._seq), anchor))
         self.stats.stored_anchors += 1
@@ -200,8 +281,32 @@ class HostTier:
         self.stats.stored_swa += len(swa)
         return copies
 
+    def swa_to_store(self, path: list[Node], window: Sequence[Node]) -> list[Node]:
+        """The nodes whose SWA KV a store copies, given the nodes whose Full KV it copies
+        (`path`): the window's that the host lacks."""
+        return [w for w in window if host_swa(w) is None]
+
+    def cover(self, window: Sequence[Node]) -> None:
+        """A new host anchor covers `window`: its SWA copies are kept."""
+        for w in window:
+            w.host.swa_refs += 1
+
+    def uncover(self, window: Sequence[Node]) -> None:
+        """A host anchor that covered `window` is gone: SWA copies nothing keeps are freed."""
+        for w in window:
+            s = w.host
+            s.swa_refs -= 1
+            if s.swa_refs == 0 and s.swa is not None:
+                self._free.extend(s.swa)
+                s.swa = None
+                self._vacate(w)
+
     def _take(self, count: int) -> Blocks:
         return tuple(self._free.popleft() for _ in range(count))
+
+    def _renew(self, anchor: HostAnchor, tick: int) -> None:
+        anchor.tick = tick
+        heapq.heappush(self._lru, (tick, next(self._seq), anchor))
 
     # ---------------------------------------------------------------- eviction
 
@@ -215,7 +320,7 @@ class HostTier:
         while self._lru:
             entry = heapq.heappop(self._lru)
             tick, _, anchor = entry
-            if anchor.node.host_anchor is not anchor or tick != anchor.tick:
+            if anchor.node.host is None or anchor.node.host.anchor is not anchor or tick != anchor.tick:
                 continue  # stale: evicted, or used again since
             if self._held(anchor.node) or any(self._held(w) for w in anchor.window):
                 skipped.append(entry)
@@ -230,15 +335,10 @@ class HostTier:
         """Drop a host anchor, its window's SWA copies nothing else keeps, and the Full copies
         up its path that nothing else needs."""
         node = anchor.node
-        node.host_anchor = None
+        node.host.anchor = None
         self._anchors -= 1
         self.stats.evicted_anchors += 1
-        if not self.dense:
-            for w in anchor.window:
-                w.host_swa_refs -= 1
-                if w.host_swa_refs == 0 and w.host_swa is not None:
-                    self._free.extend(w.host_swa)
-                    w.host_swa = None
+        self.uncover(anchor.window)
         self._prune_up(node)
         for w in anchor.window:
             self._prune(w)
@@ -246,23 +346,29 @@ class HostTier:
     def _prune_up(self, node: Node) -> None:
         """Free host Full copies from `node` up while no host anchor, host child or load needs
         them (leaf first: the rooted-subtree rule), then drop nodes that hold nothing."""
-        while (
-            node.depth >= 0
-            and node.host_full is not None
-            and node.host_children == 0
-            and node.host_anchor is None
-            and not self._held(node)
-        ):
-            self._free.extend(node.host_full)
-            node.host_full = None
-            if self.dense and node.host_swa is not None:
-                self._free.extend(node.host_swa)
-                node.host_swa = None
+        while node.depth >= 0 and not self._held(node):
+            s = node.host
+            if s is None or s.full is None or s.children or s.anchor is not None:
+                return
+            self._free.extend(s.full)
+            s.full = None
+            self.full_freed(s)
+            self._vacate(node)
             parent = node.parent
             if parent is not None and parent.depth >= 0:
-                parent.host_children -= 1
+                parent.host.children -= 1
             self._prune(node)
             node = parent  # type: ignore[assignment]
+
+    def full_freed(self, s: HostSlot) -> None:
+        """A node's host Full copy was just freed (`s.full` is None): mask-only keeps its SWA
+        copy for the host anchors that cover it."""
+
+    def _vacate(self, node: Node) -> None:
+        """Drop the node's slot once it holds no copy (see `HostSlot`)."""
+        s = node.host
+        if s is not None and s.full is None and s.swa is None:
+            node.host = None
 
     def _prune(self, node: Node) -> None:
         """`PrefixTree.prune` for a node still in the tree (pruning one node can take its
@@ -275,44 +381,97 @@ class HostTier:
         assert not self._holds, "host tier cleared during a load"
         nodes = list(self.tree.nodes.values())
         for node in nodes:
-            node.host_full = node.host_swa = node.host_anchor = None
-            node.host_children = node.host_swa_refs = 0
+            node.host = None
         for node in nodes:
             self._prune(node)
         self._free = deque(range(self.num_pages))
         self._lru.clear()
         self._anchors = 0
+        self._stores.clear()
+        self._uncomputed.clear()
 
     # -------------------------------------------------------------- lookups
 
-    def extend(self, keys: Sequence[Any], device_path: Sequence[Node], hit: int, takeover: int, max_blocks: int) -> HostMatch:
-        """The hit past the device's window-safe `hit` (positions) that host copies make: the
-        deepest end L <= `max_blocks` such that every position in `hit`..L has its Full KV on the
-        host or is among the `takeover` unreferenced device positions right after the hit, and
-        every position of L's window past `hit` has a host SWA copy (those before `hit` are the
-        device hit's own window); with `back_off` (EAGLE/MTP drafting: 1), L is that many
-        positions short of such an end, whose window and `back_off` positions more are on host
-        (anchor windows are that much longer then), as the device's hits stop a position short
-        for the drafter. Does not change anything."""
-        path = list(device_path[:max_blocks])
+    def extend(self, keys: Sequence[Any], match: TreeMatch, hit: int, max_blocks: int) -> HostMatch:
+        """The hit past the device's window-safe `hit` (positions, of `match`) that host copies
+        make: the deepest end L <= `max_blocks` such that every position in `hit`..L has its
+        Full KV on the host or is among the unreferenced device positions right after the hit
+        (`TreeMatch.takeover`), and every position of L's window past `hit` has a host SWA
+        copy (those before `hit` are the device hit's own window); with `back_off` (EAGLE/MTP
+        drafting: 1), L is that many positions short of such an end, whose window and
+        `back_off` positions more are on host (anchor windows are that much longer then), as
+        the device's hits stop a position short for the drafter. Does not change anything."""
+        path = list(match.path[:max_blocks])
+        takeover = match.takeover(hit)
         nodes = self.tree.nodes
+        # The slots are read inline, not through `host_full` / `host_swa`: this runs per lookup.
         for key in keys[len(path) : max_blocks]:
             node = nodes.get(key)
-            if node is None or node.host_full is None:
+            if node is None or node.host is None or node.host.full is None:
                 break
             path.append(node)
         best = hit
         window = self.window_blocks + self.back_off
+        missing = hit - 1  # the last position from `hit` on without a host SWA copy, so far
         for end in range(hit + 1, len(path) + 1):
-            node = path[end - 1]
-            if end > hit + takeover and node.host_full is None:
+            s = path[end - 1].host
+            if end > hit + takeover and (s is None or s.full is None):
                 break
+            if s is None or s.swa is None:
+                missing = end - 1
             stop = end - self.back_off
-            if stop > hit and all(path[p].host_swa is not None for p in range(max(hit, end - window), end)):
+            if stop > hit and missing < max(hit, end - window):
                 best = stop
-        return HostMatch(path, best)
+        return HostMatch(path, hit, best)
 
     # ------------------------------------------------------------------ loads
+
+    def _load_sources(self, extension: HostMatch, adopted: int) -> tuple[range, range]:
+        """The positions whose host Full / SWA copies a load of `extension` reads, for a request
+        that adopts the device's first `adopted` positions (the last rule of the module
+        docstring)."""
+        hit, end = extension.hit, extension.blocks
+        return range(max(hit, adopted), end), range(max(hit, end - self.window_blocks), end)
+
+    def hold_load(self, extension: HostMatch, adopted: int) -> list[Node]:
+        """Keep the host copies a load of `extension` reads until `plan_load`'s plan is done;
+        returns the nodes held."""
+        full, swa = self._load_sources(extension, adopted)
+        return self.hold([extension.path[p] for p in (*full, *swa)])
+
+    def plan_load(
+        self,
+        request_id: str,
+        extension: HostMatch,
+        adopted: int,
+        held: list[Node],
+        full: Sequence[Blocks],
+        swa: Sequence[Blocks | None],
+        preempted: bool,
+        tick: int,
+    ) -> None:
+        """The copies from host of an admission with a host extension (`take_load`): into its
+        new Full blocks `full` (from position `adopted` on) and SWA blocks `swa` (from the
+        device hit on); `held`: what `hold_load` held for it."""
+        plan = LoadPlan(held=held)
+        path = extension.path
+        full_range, swa_range = self._load_sources(extension, adopted)
+        plan.full = [Copy(path[pos].host.full, full[pos - adopted]) for pos in full_range]
+        plan.swa = [Copy(path[pos].host.swa, swa[pos - extension.hit]) for pos in swa_range]  # type: ignore[arg-type]
+        stats = self.stats
+        stats.loaded_full += len(plan.full)
+        stats.loaded_swa += len(plan.swa)
+        tokens = (extension.blocks - extension.hit) * self.block_size
+        stats.hit_tokens += tokens
+        if preempted:
+            stats.swapped_in_tokens += tokens
+        self.touch(path[extension.blocks - 1], tick)
+        self._loads[request_id] = plan
+
+    def take_load(self, request_id: str) -> LoadPlan | None:
+        """The copies from host that the latest admission of this request needs, held until
+        `finish_load`."""
+        return self._loads.pop(request_id, None)
 
     def hold(self, nodes: Iterable[Node]) -> list[Node]:
         """Keep these nodes' host copies until `release` (a planned load reads them)."""
@@ -328,36 +487,32 @@ class HostTier:
                 self._holds[id(node)] = count
             else:
                 del self._holds[id(node)]
-                if node.host_anchor is None:
+                if node.host is not None and node.host.anchor is None:
                     self._prune_up(node)
 
     def touch(self, node: Node, tick: int) -> None:
         """A hit ended at the host anchor at `node`: it goes to the back of the order."""
-        anchor = node.host_anchor
-        if anchor is not None:
-            anchor.tick = tick
-            heapq.heappush(self._lru, (tick, next(self._seq), anchor))
+        if node.host is not None and node.host.anchor is not None:
+            self._renew(node.host.anchor, tick)
 
-    def finish_load(self, plan: LoadPlan) -> None:
-        """The plan's copies are done: its nodes are no longer held."""
+    def finish_load(self, plan: LoadPlan, failed: bool = False) -> None:
+        """The plan's copies are done: its nodes are no longer held. With `failed` (the request
+        recomputes) their host copies are dropped too, with every host anchor at or below them
+        or whose window covers them, so no later request is offered the same load."""
+        nodes = {id(node) for node in plan.held}
         self.release(plan.held)
         plan.held = []
-
-    def fail_load(self, plan: LoadPlan) -> None:
-        """The plan's copies failed: its nodes are released and their host copies dropped,
-        with every host anchor at or below them or whose window covers them, so no later
-        request is offered the same load."""
-        nodes = {id(node) for node in plan.held}
-        self.finish_load(plan)
+        if not failed:
+            return
         self.stats.failed_loads += 1
         victims = []
         for node in self.tree.nodes.values():
-            anchor = node.host_anchor
+            anchor = None if node.host is None else node.host.anchor
             if anchor is None:
                 continue
             walk = node
             while walk.depth >= 0 and id(walk) not in nodes:
-                walk = walk.parent
+                walk = walk.parent  # type: ignore[assignment]
             if walk.depth >= 0 or any(id(w) in nodes for w in anchor.window):
                 victims.append(anchor)
         for anchor in victims:
@@ -372,26 +527,26 @@ class HostTier:
         anchors = 0
         swa_refs: dict[int, int] = {}
         for node in self.tree.nodes.values():
-            if node.host_anchor is not None:
+            s = node.host
+            if s is not None and s.anchor is not None:
                 anchors += 1
-                assert node.host_anchor.node is node, node
-                if not self.dense:
-                    for w in node.host_anchor.window:
-                        swa_refs[id(w)] = swa_refs.get(id(w), 0) + 1
+                assert s.anchor.node is node, node
+                for w in s.anchor.window:
+                    swa_refs[id(w)] = swa_refs.get(id(w), 0) + 1
         for node in self.tree.nodes.values():
+            s = node.host
+            self.check_swa(node, s, swa_refs.get(id(node), 0))
+            if s is None:
+                continue
+            assert s.full is not None or s.swa is not None, f"an empty host slot at {node}"
             parent = node.parent
-            if node.host_full is not None and parent is not None and parent.depth >= 0:
-                assert parent.host_full is not None, f"host Full copy at {node} under a parent without one"
-            children = sum(1 for c in node.children.values() if c.host_full is not None)
-            assert node.host_children == children, (node, children)
-            if node.host_anchor is not None:
-                assert node.host_full is not None, f"host anchor at {node} without its Full copy"
-            if self.dense:
-                assert (node.host_swa is not None) == (node.host_full is not None), node
-            else:
-                assert node.host_swa_refs == swa_refs.get(id(node), 0), (node, swa_refs.get(id(node), 0))
-                assert (node.host_swa is not None) == (node.host_swa_refs > 0), node
-            for ids in (node.host_full, node.host_swa):
+            if s.full is not None and parent is not None and parent.depth >= 0:
+                assert host_full(parent) is not None, f"host Full copy at {node} under a parent without one"
+            children = sum(1 for c in node.children.values() if host_full(c) is not None)
+            assert s.children == children, (node, children)
+            if s.anchor is not None:
+                assert s.full is not None, f"host anchor at {node} without its Full copy"
+            for ids in (s.full, s.swa):
                 for page in ids or ():
                     assert page not in pages, f"host page {page} owned twice (at {node})"
                     pages.add(page)
@@ -400,3 +555,9 @@ class HostTier:
         assert anchors == self._anchors, (anchors, self._anchors)
         live = {id(n) for n in self.tree.nodes.values()}
         assert all(key in live for key in self._holds), "a held node left the tree"
+
+    def check_swa(self, node: Node, s: HostSlot | None, covering: int) -> None:
+        """The SWA rule at one node (its slot `s`), `covering` host anchors' windows covering it."""
+        refs = 0 if s is None else s.swa_refs
+        assert refs == covering, (node, covering)
+        assert (s is not None and s.swa is not None) == (refs > 0), node

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import Anchor, AnchorKind
@@ -33,8 +33,10 @@ class KVManagerMetrics(CacheObserver):
     withdrawn_positions: int = 0
     """Positions requests preempted within the step that scheduled them had cached but never
     computed, taken out of the tree (vLLM's priority policy preempts so)."""
-    anchors_kept: Counter = field(default_factory=Counter)
-    """Anchors created, by kind."""
+    anchors_placed: Counter = field(default_factory=Counter)
+    """Anchors placed, by kind: a new anchor, or a new kind of a live one (`anchor_placed`).
+    Published as `anchors_kept` (the metric `vllm:mimo_anchors_kept_total`, replay JSON's
+    `anchors.kept`), names kept for the dashboards and result files that read them."""
     anchors_evicted: Counter = field(default_factory=Counter)
     """Anchors evicted (budget or pool pressure), by kind."""
     evicted_blocks: list[int] = field(default_factory=lambda: [0, 0])
@@ -66,7 +68,7 @@ class KVManagerMetrics(CacheObserver):
         self.withdrawn_positions += positions
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
-        self.anchors_kept[kind.value] += 1
+        self.anchors_placed[kind.value] += 1
 
     def anchor_evicted(self, anchor: Anchor, cause: EvictionCause) -> None:
         for kind in anchor.kinds:
@@ -74,11 +76,3 @@ class KVManagerMetrics(CacheObserver):
 
     def blocks_evicted(self, pool: Pool, count: int) -> None:
         self.evicted_blocks[pool] += count
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        del out["block_size"]
-        out["anchors_kept"] = dict(self.anchors_kept)
-        out["anchors_evicted"] = dict(self.anchors_evicted)
-        out["evicted_blocks"] = {"swa": self.evicted_blocks[0], "full": self.evicted_blocks[1]}
-        return out

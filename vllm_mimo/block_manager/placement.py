@@ -26,11 +26,12 @@ positions it reaches back (`reach`), are fewer than `USEFUL_SHARE` of a grid int
 output end of a long conversation whose next turns seldom come back still starts live, a grid
 point of a kind that seldom serves does not, nor does the output end of a short conversation.
 An anchor demoted at birth is often evicted before its request comes, which would keep the
-share low however useful the kind is, so the node keys of the latest `ghost_capacity` speculative anchors evicted before serving are
+share low however useful the kind is, so the node keys of the latest `ghost_capacity`
+speculative anchors evicted before serving are
 remembered, and a later request whose prompt passes one of them past its hit counts as the
 serve it missed.
 
-What an anchor is worth per block it keeps (`worth`, which orders the anchors' LRU state): the
+What an anchor is worth per block it keeps (`worth`, which orders the anchors' GREEDY_DUAL state): the
 tokens a hit at it reaches beyond the live anchor above it on its path (what it alone makes
 hittable; a demoted anchor above goes first, so it does not count), times the share of its
 kind that serves, per block of its window and of that Full KV. A grid point between two
@@ -50,7 +51,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import PASSED_KINDS, SPECULATIVE_KINDS, Anchor, AnchorDecision, AnchorKind
@@ -131,10 +132,7 @@ def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
 
 class AnchorPlacement(AnchorPolicy):
     """Anchor decisions per request event, and what each kind is worth (see the module
-    docstring). It observes the cache for what it learns: anchors placed and evicted.
-
-    `only_where`: a measuring tool's veto on placements (`eval.replay_bound` places anchors
-    only where a later request's hit ends); never used when serving."""
+    docstring). It observes the cache for what it learns: anchors placed and evicted."""
 
     def __init__(
         self,
@@ -142,7 +140,6 @@ class AnchorPlacement(AnchorPolicy):
         grid_tokens: int,
         hot_prefix_min_hits: int,
         ghost_capacity: int,
-        only_where: Callable[[Node, AnchorKind], bool] | None = None,
         window_cost: int = 1,
         full_blocks_per_position: int = 1,
     ) -> None:
@@ -152,7 +149,6 @@ class AnchorPlacement(AnchorPolicy):
         self.grid_blocks = grid_tokens // block_size
         self.hot_prefix_min_hits = hot_prefix_min_hits
         self.ghost_capacity = ghost_capacity
-        self.only_where = only_where
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
         # Prompt tails placed and served per depth band.
@@ -208,7 +204,7 @@ class AnchorPlacement(AnchorPolicy):
             reach = TAIL_REACH if AnchorKind.PROMPT_TAIL in anchor.kinds else WORTH_REACH
         node, gain = anchor.node, 0
         while gain < reach:
-            node = node.parent
+            node = node.parent  # type: ignore[assignment]
             gain += 1
             if node.depth < 0 or (node.anchor is not None and not node.anchor.demoted):
                 break
@@ -239,10 +235,10 @@ class AnchorPlacement(AnchorPolicy):
 
     # ------------------------------------------------------------ decisions
 
-    def _keep(self, decisions: list[AnchorDecision]) -> Sequence[AnchorDecision]:
-        if self.only_where is None:
-            return decisions
-        return [d for d in decisions if d.demote or self.only_where(d.node, d.kind)]
+    def keep(self, decisions: list[AnchorDecision]) -> Sequence[AnchorDecision]:
+        """The decisions of a request event that are carried out: all of them (a policy that
+        places fewer anchors, eval's clairvoyant bound, overrides it)."""
+        return decisions
 
     def _ends(self, request: Any) -> dict[int, tuple[AnchorKind, bool]]:
         """Anchors a request asks for by where they end (position counts): its declared
@@ -315,7 +311,7 @@ class AnchorPlacement(AnchorPolicy):
                 due[end] = (kind, pin)
         if due:
             self._due[request.request_id] = due
-        return self._keep(decisions)
+        return self.keep(decisions)
 
     def on_cached(
         self, request: Any, nodes: Sequence[Node], start: int, end: int, branched: Sequence[int]
@@ -331,7 +327,7 @@ class AnchorPlacement(AnchorPolicy):
         for pos in sorted({*branched, *(p - 1 for p in grid_points), *(p - 1 for p in (due or ()) if start < p <= end)}):
             node = nodes[pos]
             if pos in branch_at:
-                decisions.append(AnchorDecision(node.parent, AnchorKind.BRANCH))
+                decisions.append(AnchorDecision(node.parent, AnchorKind.BRANCH))  # type: ignore[arg-type]
             fell_due = due.pop(pos + 1, None) if due else None
             if fell_due is not None:
                 decisions.append(AnchorDecision(node, *fell_due))
@@ -340,7 +336,7 @@ class AnchorPlacement(AnchorPolicy):
                 # prompt end when the output moves on: later requests may branch there.
                 last = fell_due is None and (pos + 1) + grid >= prompt_blocks
                 decisions.append(AnchorDecision(node, AnchorKind.PROMPT_TAIL if last else AnchorKind.GRID))
-        return self._keep(decisions)
+        return self.keep(decisions)
 
     def on_finished(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
         self._due.pop(request.request_id, None)
@@ -354,7 +350,7 @@ class AnchorPlacement(AnchorPolicy):
             # The next turn continues from the output's end; the prompt's end now only serves a
             # retry of the same prompt, so it goes first when memory is short.
             decisions.append(AnchorDecision(prompt_end, demote=True))
-        return self._keep(decisions)
+        return self.keep(decisions)
 
     def on_preempted(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
         """It comes back first in line and resumes from its cached KV, as upstream's freed blocks
@@ -365,7 +361,7 @@ class AnchorPlacement(AnchorPolicy):
         computed = min(num_cached, request.num_computed_tokens // self.block_size)
         if not computed:
             return _NONE
-        return self._keep([AnchorDecision(nodes[computed - 1], AnchorKind.RESUME)])
+        return self.keep([AnchorDecision(nodes[computed - 1], AnchorKind.RESUME)])
 
     def check_integrity(self, running: Sequence[str]) -> None:
         assert len(self._ghosts) <= self.ghost_capacity, "more evicted anchors remembered than allowed"

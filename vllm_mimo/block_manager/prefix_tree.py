@@ -4,9 +4,9 @@ A node is one logical sequence position: the block of tokens whose chained hash 
 `Request.block_hashes`) is its key, so equal keys mean equal prefixes. It answers two questions
 with two fields: where this position's Full KV is (`full_blocks`, the block ids of every Full
 group) and where its SWA KV is (`swa_blocks`, likewise for the SWA groups, or None when the
-window has moved on). The host tier adds its own pair (`host_full`, `host_swa`: pages in host
-memory, `host_tier.py`) to the same node; the tree's shape does not change, and
-a node holding only host copies stays in the tree.
+window has moved on). The host tier keeps its copies of the node in a slot of its own
+(`host`, a `host_tier.HostSlot` while the host holds a copy); the tree's shape does not change,
+and a node holding only host copies stays in the tree.
 
 Reference counts live on nodes, not blocks: `full_refs` / `swa_refs` count the running requests
 holding this node's Full / SWA blocks, `anchor_refs` the anchors whose window covers the node
@@ -49,14 +49,10 @@ class Node:
         "anchor",
         "last_access",
         "hit_count",
-        "host_full",
-        "host_swa",
-        "host_children",
-        "host_swa_refs",
-        "host_anchor",
+        "host",
     )
 
-    def __init__(self, block_hash: Any, parent: "Node | None", depth: int) -> None:
+    def __init__(self, block_hash: Any, parent: Node | None, depth: int) -> None:
         self.block_hash = block_hash
         self.parent = parent
         self.depth = depth  # position in the sequence; the root is -1
@@ -70,12 +66,7 @@ class Node:
         self.anchor: Any = None  # the Anchor ending at this node, if any
         self.last_access = 0  # the cache's tick of the latest request that referenced it
         self.hit_count = 0  # distinct requests whose cached prefix ended here
-        # The host tier's copies (`host_tier.py`): pages, or None.
-        self.host_full: Blocks | None = None
-        self.host_swa: Blocks | None = None
-        self.host_children = 0  # children with a host Full copy
-        self.host_swa_refs = 0  # host anchors whose window covers this node
-        self.host_anchor: Any = None  # the host anchor ending at this node, if any
+        self.host: Any = None  # the host tier's copies of this node (`host_tier.HostSlot`), if any
 
     def __repr__(self) -> str:
         return (
@@ -94,7 +85,8 @@ class TreeMatch:
     """Longest prefix of `path` whose preceding window has SWA KV: the real hit."""
 
     @property
-    def full_blocks(self) -> int:
+    def full_hit(self) -> int:
+        """Positions of the Full hit: `len(path)`."""
         return len(self.path)
 
     @property
@@ -407,13 +399,12 @@ class PrefixTree:
             and node.swa_blocks is None
             and node.anchor is None
             and node.anchor_refs == 0
-            and node.host_full is None
-            and node.host_swa is None
+            and node.host is None
         ):
             parent = node.parent
-            del parent.children[node.block_hash]
+            del parent.children[node.block_hash]  # type: ignore[union-attr]
             del self.nodes[node.block_hash]
-            node = parent
+            node = parent  # type: ignore[assignment]
 
     def clear(self) -> None:
         self.root.children.clear()

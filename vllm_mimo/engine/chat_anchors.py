@@ -129,9 +129,7 @@ def install(system_anchor: bool) -> None:
     _system_anchor = system_anchor
     if _installed:
         return
-    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm_mimo.compat import AnthropicServingMessages, ChatCompletionRequest, OpenAIServingChat
 
     render = OpenAIServingChat.render_chat_request
 

@@ -78,10 +78,9 @@ def pin_requests(vllm_config: Any, path: str, hash_block_size: int) -> list[Any]
     Build them only once the engine has set up block hashing (its first step): their block
     hashes must chain from the same seed as every user request's.
     """
-    from vllm.sampling_params import SamplingParams
-
     from vllm_mimo.compat import (
         Request,
+        SamplingParams,
         cached_tokenizer_from_config,
         get_hash_fn_by_name,
         get_request_block_hasher,

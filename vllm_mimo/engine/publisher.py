@@ -95,7 +95,7 @@ def manager_snapshot(
         "preempted_hit_tokens": metrics.preempted_hit_tokens,
         "withdrawn_positions": metrics.withdrawn_positions,
         "prefill_steps_cut": step_budget.steps_cut if step_budget is not None else 0,
-        "anchors_kept": dict(metrics.anchors_kept),
+        "anchors_kept": dict(metrics.anchors_placed),
         "anchors_evicted": dict(metrics.anchors_evicted),
         "anchors": size.anchors,
         "anchor_blocks": size.anchor_swa,

@@ -11,15 +11,12 @@ are logged here.
 
 from __future__ import annotations
 
-from typing import Any
-
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
+from typing import TYPE_CHECKING, Any
 
 from vllm_mimo.attention_backends import swa_attention_mode
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
-from vllm_mimo.compat import SlidingWindowSpec
+from vllm_mimo.compat import AsyncScheduler, Scheduler, SlidingWindowSpec
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
 from vllm_mimo.engine.lookahead import QueueLookahead
@@ -33,8 +30,15 @@ from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
 
 GIB = 1 << 30
 
+# The mixin is only ever mixed into vLLM's Scheduler, so the type checker reads it as one (its
+# attributes and super() calls are vLLM's); at run time it must stay a plain mixin.
+if TYPE_CHECKING:
+    from vllm_mimo.compat import Scheduler as _SchedulerBase
+else:
+    _SchedulerBase = object
 
-class _MimoSchedulerMixin:
+
+class _MimoSchedulerMixin(_SchedulerBase):
     """Adds the plugin's setup after vLLM's own `Scheduler.__init__`."""
 
     mimo_config: MimoConfig
@@ -50,7 +54,7 @@ class _MimoSchedulerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        vllm_config = self.vllm_config
         self.mimo_config = MimoConfig.from_vllm_config(vllm_config)
         scheduler_config = vllm_config.scheduler_config
         # prefill_chunk_tokens is vLLM's long_prefill_token_threshold unless the user set that;
@@ -60,7 +64,7 @@ class _MimoSchedulerMixin:
             scheduler_config.long_prefill_token_threshold = chunk_tokens
         declared = layout_from_hf_config(vllm_config.model_config.hf_config)
         self.mimo_layout = layout_from_kv_cache_groups(
-            self.kv_cache_config.kv_cache_groups,  # type: ignore[attr-defined]
+            self.kv_cache_config.kv_cache_groups,
             mtp_layers=declared.mtp_layers if declared else 0,
         )
         model = vllm_config.model_config.architecture
@@ -78,11 +82,11 @@ class _MimoSchedulerMixin:
             "vllm-mimo: hybrid SWA model %s: %s; %d KV cache groups; features on: %s",
             model,
             self.mimo_layout.describe(),
-            len(self.kv_cache_config.kv_cache_groups),  # type: ignore[attr-defined]
+            len(self.kv_cache_config.kv_cache_groups),
             ", ".join(self.mimo_features()) or "none",
         )
         if self.mimo_manager is not None:
-            self._log_pools()
+            self._log_pools(self.mimo_manager)
         swa_path = swa_attention_mode(self.mimo_config)
         logger.info(
             "vllm-mimo: SWA attention (swa_attention): %s",
@@ -95,7 +99,7 @@ class _MimoSchedulerMixin:
 
     def _mimo_swa_groups(self) -> list[tuple[int, Any]]:
         """(group id, spec) of the KV cache groups of sliding-window layers."""
-        groups = self.kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
+        groups = self.kv_cache_config.kv_cache_groups
         return [(gid, g.kv_cache_spec) for gid, g in enumerate(groups) if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
 
     def mimo_features(self) -> list[str]:
@@ -117,7 +121,7 @@ class _MimoSchedulerMixin:
 
     def _install_manager(self, chunk_tokens: int) -> None:
         """`chunk_tokens`: the plugin's prefill chunk cap (0: none, or the user's own)."""
-        connector = self.connector  # type: ignore[attr-defined]
+        connector = self.connector
         host_pages = 0
         if isinstance(connector, MimoHostTierConnector):
             host_pages = connector.num_pages
@@ -130,17 +134,17 @@ class _MimoSchedulerMixin:
         upstream = self.kv_cache_manager  # type: ignore[has-type]
         try:
             self.mimo_manager = HybridKVCacheManager(
-                self.kv_cache_config,  # type: ignore[attr-defined]
-                self.max_model_len,  # type: ignore[attr-defined]
-                self.block_size,  # type: ignore[attr-defined]
-                self.hash_block_size,  # type: ignore[attr-defined]
-                enable_caching=self.cache_config.enable_prefix_caching,  # type: ignore[attr-defined]
-                use_eagle=self.use_eagle_block_drop,  # type: ignore[attr-defined]
-                log_stats=self.log_stats,  # type: ignore[attr-defined]
+                self.kv_cache_config,
+                self.max_model_len,
+                self.block_size,
+                self.hash_block_size,
+                enable_caching=self.cache_config.enable_prefix_caching,
+                use_eagle=self.use_eagle_block_drop,
+                log_stats=self.log_stats,
                 mimo_config=self.mimo_config,
-                max_num_running=self.max_num_running_reqs,  # type: ignore[attr-defined]
+                max_num_running=self.max_num_running_reqs,
                 kv_blocks=upstream.block_pool.blocks,
-                watermark=getattr(self.scheduler_config, "watermark", 0.0),  # type: ignore[attr-defined]
+                watermark=getattr(self.scheduler_config, "watermark", 0.0),
                 window_local=swa_attention_mode(self.mimo_config) == "window-local",
                 host_pages=host_pages,
             )
@@ -155,7 +159,7 @@ class _MimoSchedulerMixin:
         if connector is not None:
             connector.bind_kv_cache_manager(self.mimo_manager)
             self.mimo_host_connector = connector
-        if self.enable_kv_cache_events:  # type: ignore[attr-defined]
+        if self.enable_kv_cache_events:
             logger.warning(
                 "vllm-mimo: KV cache events are enabled, but the hybrid KV manager publishes "
                 "none; consumers of BlockStored/BlockRemoved events see nothing from this engine"
@@ -176,39 +180,39 @@ class _MimoSchedulerMixin:
             self.mimo_integrity = IntegrityAtIdle()
         if self.mimo_config.queue_lookahead_requests:
             self.mimo_lookahead = QueueLookahead(self.mimo_manager.cache, self.mimo_config.queue_lookahead_requests)
-        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        parallel = self.vllm_config.parallel_config
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
         self._mimo_pins_due = bool(
-            self.mimo_config.pin_prompts_file and self.cache_config.enable_prefix_caching  # type: ignore[attr-defined]
+            self.mimo_config.pin_prompts_file and self.cache_config.enable_prefix_caching
         )
 
     def has_requests(self) -> bool:
         # Pinned prompts are added on the first step, once the engine's block hashing is set
         # up; claiming work until then makes the engine loop take that step without a user.
-        return self._mimo_pins_due or super().has_requests()  # type: ignore[misc]
+        return self._mimo_pins_due or super().has_requests()
 
     def schedule(self, *args: Any, **kwargs: Any):
         if self._mimo_pins_due:
             self._mimo_pins_due = False
             self._add_pinned_prompts()
         if self.mimo_lookahead is not None:
-            self.mimo_lookahead.step(self.waiting)  # type: ignore[attr-defined]
+            self.mimo_lookahead.step(self.waiting)
         step_budget = self.mimo_step_budget
         if step_budget is None:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            return super().schedule(*args, **kwargs)
         # vLLM's scheduler reads one token budget for decodes and prefills, in running order,
         # and the chunk cap from its config; setting them for this step is the one way in
         # without copying its loop.
         budget = self.max_num_scheduled_tokens  # type: ignore[has-type]
-        limit = step_budget.token_limit(self.running, budget)  # type: ignore[attr-defined]
-        scheduler_config = self.scheduler_config  # type: ignore[attr-defined]
+        limit = step_budget.token_limit(self.running, budget)
+        scheduler_config = self.scheduler_config
         cap = scheduler_config.long_prefill_token_threshold
         self.max_num_scheduled_tokens = limit
         if step_budget.chunk_tokens:
             scheduler_config.long_prefill_token_threshold = step_budget.chunk_cap(budget)
         try:
-            output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            output = super().schedule(*args, **kwargs)
         finally:
             self.max_num_scheduled_tokens = budget
             scheduler_config.long_prefill_token_threshold = cap
@@ -217,12 +221,12 @@ class _MimoSchedulerMixin:
 
     def _add_pinned_prompts(self) -> None:
         requests = pin_requests(
-            self.vllm_config,  # type: ignore[attr-defined]
+            self.vllm_config,
             self.mimo_config.pin_prompts_file,
-            self.hash_block_size,  # type: ignore[attr-defined]
+            self.hash_block_size,
         )
         for request in requests:
-            self.add_request(request)  # type: ignore[attr-defined]
+            self.add_request(request)
         logger.info(
             "vllm-mimo: prefilling %d pinned prompts from %s (%d tokens)",
             len(requests),
@@ -230,12 +234,12 @@ class _MimoSchedulerMixin:
             sum(r.num_prompt_tokens for r in requests),
         )
 
-    def _log_pools(self) -> None:
-        cache = self.mimo_manager.cache
+    def _log_pools(self, manager: HybridKVCacheManager) -> None:
+        cache = manager.cache
         geometry, pools = cache.geometry, cache.pools
         # Every group's tensor aliases the same buffer: the largest one is all the KV memory.
         bytes_per_block = max(
-            t.size for t in self.kv_cache_config.kv_cache_tensors  # type: ignore[attr-defined]
+            t.size for t in self.kv_cache_config.kv_cache_tensors
         ) / geometry.num_blocks
         described = []
         for name, blocks, groups, per_position in (
@@ -256,12 +260,13 @@ class _MimoSchedulerMixin:
         )
 
     def _mimo_publish(self, force: bool = False) -> None:
-        if self._mimo_publisher is None:
+        manager = self.mimo_manager
+        if self._mimo_publisher is None or manager is None:  # the publisher comes with the manager
             return
-        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        vllm_config = self.vllm_config
         self._mimo_publisher.publish(
             lambda: manager_snapshot(
-                self.mimo_manager,
+                manager,
                 self.mimo_step_budget,
                 self.mimo_acceptance,
                 vllm_config.model_config.served_model_name,
@@ -282,24 +287,24 @@ class _MimoSchedulerMixin:
     ) -> Any:
         # vLLM calls this for every step that verified drafts, before the step's tokens are
         # appended: the request's output tokens so far are where the step starts.
-        request = self.requests.get(request_id)  # type: ignore[attr-defined]
+        request = self.requests.get(request_id)
         if self.mimo_acceptance is not None and request is not None and num_draft_tokens:
             drafts = num_draft_tokens - (num_invalid_spec_tokens or {}).get(request_id, 0)
             self.mimo_acceptance.observe(request.num_output_tokens, drafts, num_accepted_tokens)
-        return super().make_spec_decoding_stats(  # type: ignore[misc]
+        return super().make_spec_decoding_stats(
             spec_decoding_stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id
         )
 
     def make_stats(self, *args: Any, **kwargs: Any):
         # Called after every step; also the point where the front end learns our counters.
-        idle = not self.running and not self.waiting  # type: ignore[attr-defined]
+        idle = not self.running and not self.waiting
         if self.mimo_integrity is not None and self.mimo_manager is not None:
             self.mimo_integrity.step(self.mimo_manager, idle)
         self._mimo_publish(force=idle)
-        return super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        return super().make_stats(*args, **kwargs)
 
     def shutdown(self) -> None:
-        super().shutdown()  # type: ignore[misc]
+        super().shutdown()
         if self._mimo_publisher is not None:
             self._mimo_publisher.remove()
 

@@ -8,7 +8,7 @@ tree's nodes) is the index and the policy. This connector only carries what the 
     hit (`HybridKVCacheManager.host_extension`); the load is asynchronous, so the request waits
     one step in vLLM's WAITING_FOR_REMOTE_KVS while the worker copies, and a load that fails is
     reported as failed and the request recomputes (vLLM's `recompute` failure policy), its host
-    copies dropped (`HostTier.fail_load`). Each step's metadata carries the stores the
+    copies dropped (`HostTier.finish_load`). Each step's metadata carries the stores the
     manager's demotions made and the loads of the requests admitted with external tokens.
   * worker side: stores run before the step's forward (`handle_preemptions`, so evicted blocks
     are read before new tokens overwrite them), loads right after it (`start_load_kv`, into
@@ -45,7 +45,7 @@ class HostTierWorkerMeta(compat.KVConnectorWorkerMetadata):
     available: bool = True
     failed_stores: int = 0
 
-    def aggregate(self, other: Any) -> "HostTierWorkerMeta":
+    def aggregate(self, other: Any) -> HostTierWorkerMeta:
         return HostTierWorkerMeta(
             max(self.load_seconds, other.load_seconds),
             max(self.store_seconds, other.store_seconds),
@@ -201,7 +201,11 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             # A page the copy did not finish keeps the tag of its previous store, so the load
             # that expects this store's fails and its request recomputes.
             self._meta().failed_stores += 1
-            logger.warning("vllm-mimo: host tier store of %d blocks failed (%s); loads of them recompute", len(kv_connector_metadata.stores), e)
+            logger.warning(
+                "vllm-mimo: host tier store of %d blocks failed (%s); loads of them recompute",
+                len(kv_connector_metadata.stores),
+                e,
+            )
         self._meta().store_seconds += time.perf_counter() - start
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -29,7 +29,7 @@ def expand(
     cu_num_tokens: torch.Tensor,
     replace_from: float,
     replace_to: float,
-    MAX_NUM_TOKENS: int | None = None,  # noqa: N803 - the Triton kernel's parameter name
+    MAX_NUM_TOKENS: int | None = None,
 ) -> None:
     """`rejection_sampler.expand_kernel`: output[start_i : start_i + n_i] = input_val[i] (with
     `replace_from` replaced by `replace_to`), n_i the i-th count of `cu_num_tokens` (at most
@@ -50,12 +50,11 @@ def expand(
 
 def install() -> bool:
     """Replace the fallback on a CPU platform without Triton; True if it did."""
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
+    from vllm_mimo import compat
 
-    if HAS_TRITON or not current_platform.is_cpu():
+    if compat.HAS_TRITON or not compat.current_platform().is_cpu():
         return False
-    import vllm.utils.cpu_triton_utils as cpu_triton
+    cpu_triton = compat.cpu_triton_utils
 
     global replaced
     if cpu_triton._expand_kernel_impl is not expand:

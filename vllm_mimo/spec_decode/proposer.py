@@ -131,10 +131,10 @@ class MimoMTPProposer(Step3p5MTPProposer):
         metadata = group.build_metadata_for_drafting(common_attn_metadata=cm, draft_index=0)
         input_ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
         with set_forward_context(
-            {name: metadata for name in group.layer_names},
+            dict.fromkeys(group.layer_names, metadata),
             self.vllm_config,
             num_tokens=int(qsl[-1]),
-            slot_mapping={name: cm.slot_mapping for name in group.layer_names},
+            slot_mapping=dict.fromkeys(group.layer_names, cm.slot_mapping),
         ):
             out = self.model(
                 input_ids=input_ids,
@@ -206,7 +206,7 @@ class MimoMTPProposer(Step3p5MTPProposer):
                 break
             tokens = [toks[s.row][m + 1 : m + 1 + s.end - s.start] for s in spans]
             prev = [hids[s.row][: s.end - s.start] if m == 0 else warm[s.row][m - 1][: s.end - s.start] for s in spans]
-            for s, out in zip(spans, self._run_layer(m, spans, tokens, prev)):
+            for s, out in zip(spans, self._run_layer(m, spans, tokens, prev), strict=True):
                 warm[s.row][m] = out
 
         # 2. Drafts, one MTP layer per draft token; layer t runs over [b-t, b) on the drafts.
@@ -226,7 +226,7 @@ class MimoMTPProposer(Step3p5MTPProposer):
                 below = warm[s.row].get(t - 1, empty)[s.start - lo :]  # layer t-1 from s.start up to b-t+1
                 prev.append(torch.cat((below, drafted[s.row].get(t - 1, empty)))[-(s.end - s.start) :])
             outs = self._run_layer(t, spans, tokens, prev)
-            for s, out in zip(spans, outs):
+            for s, out in zip(spans, outs, strict=True):
                 drafted[s.row][t] = out
             ids, probs = self._sample_draft_tokens_for_step(
                 torch.stack([o[-1] for o in outs]), sampling_metadata, spec_step_idx=t
@@ -258,11 +258,13 @@ class MimoMTPProposer(Step3p5MTPProposer):
                 cache[blocks] = 0
         return prompt - 1
 
-    def _remember(self, req_ids: Sequence[str], lo_b: list[tuple[int, int]], toks: list[list[int]], hids: list[torch.Tensor]) -> None:
+    def _remember(
+        self, req_ids: Sequence[str], lo_b: list[tuple[int, int]], toks: list[list[int]], hids: list[torch.Tensor]
+    ) -> None:
         keep = self.num_mtp_layers - 1
         live = set(self.model_runner.requests)
         for rid in [rid for rid in self._history if rid not in live]:
             del self._history[rid]
-        for rid, (lo, b), seq, hid in zip(req_ids, lo_b, toks, hids):
+        for rid, (lo, b), seq, hid in zip(req_ids, lo_b, toks, hids, strict=True):
             n = min(keep, b - lo)
             self._history[rid] = _History(b, seq[len(seq) - 1 - n :], hid[len(hid) - n :].clone())

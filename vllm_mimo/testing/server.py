@@ -50,7 +50,7 @@ class VllmServer:
         vllm = Path(sys.executable).with_name("vllm")
         return [str(vllm), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         self._log = open(self.log_path, "wb")
         self._proc = subprocess.Popen(
             self.command(),
@@ -91,7 +91,7 @@ class VllmServer:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -19,6 +19,7 @@ Layouts:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import sysconfig
@@ -312,13 +313,20 @@ def write_model_folder(out: Path, config: dict, tensors: dict, tok) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+@functools.cache
+def stdlib_tokenizer(vocab_size: int):
+    """`train_tokenizer` on the standard library's sources, trained once per process (training
+    is deterministic; the test suite makes four layouts' models with the same vocabulary)."""
+    return train_tokenizer(vocab_size, stdlib_text_files())
+
+
 def make_tiny_model(out: str | Path, layout: str = "mimo", seed: int = SEED) -> Path:
     """Create a complete random-weight model folder for `layout` at `out`; return its path."""
     out = Path(out)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     size = ModelSize()
-    tok = train_tokenizer(size.vocab_size, stdlib_text_files())
+    tok = stdlib_tokenizer(size.vocab_size)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     config = make_config(layout, size, token_ids=ids)
     write_model_folder(out, config, random_weights(config, seed), tok)

@@ -1,0 +1,733 @@
+"""Write `eval/RESULTS.md` from the JSON in `eval/results/`, or check that it is up to date.
+
+    python -m eval.results_page            # writes eval/RESULTS.md
+    python -m eval.results_page --check    # exit 1, naming each section that differs
+
+Every number in the page's tables is read from a JSON file at run time; the prose around them
+(intros, the targets' wording, the known gaps) is written here, and the reasoning behind the
+decisions is in `eval/notes/`. Replay files are merged per point as `eval.replay_summary --peers`
+merges them: `replay-<workload>.json`, then its `-sglang.json`, then its `-mimo.json` (a rerun of
+the plugin's rows alone), a later file's run replacing an earlier one's with the same
+(kv_gib, engine). SGLang's files are optional: a point without them shows "-" for SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from eval.replay_summary import FREE_SHARE, PeerPoint, peer_points, runs_by_budget
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path("eval/results")
+PAGE = Path("eval/RESULTS.md")
+
+SUITE = ("shared-system-prompt", "agent-sessions", "mixed", "agentic-mooncake", "long-conversations", "long-conversations-shared")
+OPEN_LOOP = SUITE[:4]
+"""The long-conversations workloads send every request at its timestamp already: no open-loop run."""
+SLICE = "mooncake-conversation"
+REPLAY_SETS = (
+    ("public slice, recorded load", (SLICE,)),
+    ("public slice, 4x stretched", (f"{SLICE}-stretch4",)),
+    ("generated suite, closed loop", SUITE),
+    ("generated suite, open loop", tuple(f"{w}-open-loop" for w in OPEN_LOOP)),
+)
+WINDOW_LOCAL_BENCH = ("bench-window-local-rounds.json", "bench-window-local-rounds-2.json")
+"""Two runs of `eval.bench_window_local --rounds 3`: between engines the times spread more than the ratio."""
+BENCH_SERVE = (
+    "bench-serve-shared-system-prompt-kv0.015",
+    "bench-serve-shared-system-prompt-kv0.05",
+    "bench-serve-shared-system-prompt-float32-kv0.03",
+    "bench-serve-agent-sessions-float32-kv0.03-host0.5",
+)
+NOTES = (
+    ("replay-method.md", "how the replay works and what its numbers can and cannot say"),
+    ("anchors.md", "which anchors are placed, kept and evicted, and why"),
+    ("lookahead.md", "the queue look-ahead and its depth"),
+    ("sglang-peer.md", "SGLang in the replay: what is its code and what is the loop's"),
+    ("host-tier.md", "what the host tier stores and loads"),
+    ("window-local.md", "window-local SWA attention and the prefill defaults"),
+    ("mtp.md", "all three MTP layers as the drafter, warm and cold"),
+    ("served.md", "served runs, the soak, exactness and test lanes"),
+    ("gpu.md", "what ran on a GPU and what did not"),
+)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One `## ` section of the page: its title and its lines after the heading."""
+
+    title: str
+    lines: list[str]
+
+
+def _load(results: Path, name: str) -> dict:
+    path = results / name
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: the page is built from it (see the command above its table)")
+    return json.loads(path.read_text())
+
+
+def _table(header: list[str], rows: list[list[str]], align: str | None = None) -> list[str]:
+    """A Markdown table; `align` is one character per column, `l` or `r` (default: first left)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _commands(*lines: str) -> list[str]:
+    return ["```bash", *lines, "```"]
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _span(values: list[float], digits: int = 2) -> str:
+    """The range of `values`, "-" when there are none."""
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else f"{low:.{digits}f}-{high:.{digits}f}"
+
+
+# --- replay against the peers -------------------------------------------------------------
+
+
+def _points(results: Path, stems: list[str]) -> list[PeerPoint]:
+    points = []
+    for stem in stems:
+        path = results / f"replay-{stem}.json"
+        if not path.exists():
+            raise SystemExit(f"{path} is missing: the page is built from it (see the command above its table)")
+        points.extend(peer_points(path))
+    return points
+
+
+def _peer_table(points: list[PeerPoint], loads: bool = False) -> list[str]:
+    """One row per point; `loads`: the first column is the load (recorded or stretched), not the workload."""
+    rows = []
+    for p in points:
+        up, sg, free = p.best_upstream, p.best_sglang, p.free
+        rows.append(
+            [
+                (f"{p.stretch:g}x stretched" if p.stretch != 1 else "recorded") if loads else p.source,
+                f"{p.kv_gib:g}",
+                f"{p.ideal:,}",
+                f"{p.hits[up]:,} ({up.removeprefix('upstream-')})" if up else "-",
+                f"{p.hits[sg]:,} ({sg.removeprefix('sglang-')})" if sg else "-",
+                f"{free['hit_tokens']:,}" if free else "-",
+                f"**{p.plugin['hit_tokens']:,}**",
+                _x(p.over(up)),
+                _x(p.over(sg)),
+                _x(p.over("swa-free" if free else None)),
+                _x(free["hit_tokens"] / p.ideal if free else None),
+                f"{p.plugin['ttft_mean_s']:.2f} / {_ttft(p, up)} / {_ttft(p, sg)}",
+                "yes" if p.met else "**no**",
+            ]
+        )
+    return _table(
+        [
+            "load" if loads else "workload", "KV GiB", "ideal", "best upstream", "best SGLang", "swa-free",
+            "plugin", "÷ upstream", "÷ SGLang", "÷ swa-free", "swa-free ÷ ideal", "TTFT s: plugin / upstream / SGLang",
+            "targets met",
+        ],
+        rows,
+        "lrrrrrrrrrrrl",
+    )
+
+
+def _ttft(point: PeerPoint, engine: str | None) -> str:
+    run = point.runs.get(engine) if engine else None
+    return f"{run['ttft_mean_s']:.2f}" if run else "-"
+
+
+def replay_section(results: Path) -> Section:
+    slice_ = _points(results, [SLICE])
+    stretched = _points(results, [f"{SLICE}-stretch4"])
+    closed = _points(results, list(SUITE))
+    open_ = _points(results, [f"{w}-open-loop" for w in OPEN_LOOP])
+    sglang_open = sum(1 for w in OPEN_LOOP if (results / f"replay-{w}-open-loop-sglang.json").exists())
+    lines = [
+        "A replay (`eval.replay`: the real managers, simulated time, no model) at equal KV bytes on",
+        "`mimo-v2.5-pro` (10 full + 60 SWA layers, W = 128): hit tokens (window-safe) and mean simulated",
+        "TTFT. Best upstream: vLLM 0.32's `KVCacheManager` at retention 0, dense or 512; best SGLang:",
+        "SGLang 0.5.23's hybrid-SWA cache at ratio 0.8, 0.2, 0.05 or unified (every setting:",
+        "`python -m eval.replay_summary --peers FILES`); `swa-free`: upstream without SWA groups, the",
+        "ceiling under plain LRU. Method: [notes/replay-method.md](notes/replay-method.md).",
+        "",
+        "**The public slice** (4,031 requests of the Mooncake FAST'25 conversation trace) at its recorded",
+        "timestamps (one simulated engine overloaded, queues minutes long) and at 4x them:",
+        "",
+        *_commands(
+            "make setup sglang    # .venv, and SGLang's cache code in .sglang/",
+            "T=eval/traces/mooncake-conversation-dev.jsonl",
+            "python -m eval.replay --trace $T --layout mimo-v2.5-pro --kv-gib 80 160 320 640 --engines "
+            "upstream-r0,upstream-r512,swa-free,mimo --json eval/results/replay-mooncake-conversation.json",
+            "python -m eval.replay --trace $T --layout mimo-v2.5-pro --kv-gib 80 160 320 640 --engines "
+            "sglang-r0.8,sglang-r0.2,sglang-r0.05,sglang-unified,sglang-r0.05-norefresh,sglang-unified-norefresh "
+            "--json eval/results/replay-mooncake-conversation-sglang.json",
+            "# the same two with --stretch 4 (SGLang at r0.05 and unified), into "
+            "replay-mooncake-conversation-stretch4{,-sglang}.json",
+        ),
+        "",
+        *_peer_table(slice_ + stretched, loads=True),
+        "",
+        "**The generated suite, closed loop** (a next turn waits for the answer it contains):",
+        "",
+        *_commands(
+            "eval/run_replay_suite.sh              # every workload, engine and budget, SGLang included "
+            "(SGLANG=0 / SGLANG=only to split)",
+            "python -m eval.replay --workload long-conversations --layout mimo-v2.5-pro --kv-gib 10 13 16 20 "
+            "--engines mimo --json eval/results/replay-long-conversations-mimo.json   # a rerun of the plugin's "
+            "rows alone, merged over replay-long-conversations.json; likewise -shared at 7 10 14 20",
+        ),
+        "",
+        *_peer_table(closed),
+        "",
+        "**The generated suite, open loop** (every request at its timestamp; `eval/run_replay_suite.sh",
+        f"--open-loop`; SGLang's runs are in for {sglang_open} of {len(OPEN_LOOP)} workloads):",
+        "",
+        *_peer_table(open_),
+    ]
+    return Section("Replay: the plugin against upstream vLLM, SGLang and swa-free", lines)
+
+
+# --- host tier ----------------------------------------------------------------------------------
+
+
+def _host_points(results: Path, stem: str) -> list[tuple[float, dict, dict]]:
+    """(budget, that budget's runs, `swa-free` at device + host bytes) of `host-<stem>.json`."""
+    free = {run["kv_gib"]: run for run in _load(results, f"host-{stem}-swa-free-5x.json")["runs"]}
+    _load(results, f"host-{stem}.json")
+    by_budget = runs_by_budget(results / f"host-{stem}.json")
+    return [(gib, by_budget[gib], free[round(5 * gib, 6)]) for gib in sorted(by_budget)]
+
+
+def _no_slower(run: dict, other: dict) -> bool:
+    """Mean TTFT no higher than `other`'s, to the two decimals the page shows."""
+    return round(run["ttft_mean_s"], 2) <= round(other["ttft_mean_s"], 2)
+
+
+def _host_table(results: Path) -> list[str]:
+    rows = []
+    for stem in [*SUITE, *(f"{w}-open-loop" for w in OPEN_LOOP)]:
+        points = _host_points(results, stem)
+
+        def over(a: str, b: str, points: list = points) -> str:
+            return _span([at[a]["hit_tokens"] / max(at[b]["hit_tokens"], 1) for _, at, _ in points], 3)
+
+        rows.append(
+            [
+                stem, ", ".join(f"{gib:g}" for gib, _, _ in points), over("mimo-host", "upstream-offload"),
+                over("mimo-host", "mimo-host-dense"), over("mimo-host", "mimo"),
+                _span([at["mimo-host"]["hit_tokens"] / at["mimo-host"]["ideal_hit_tokens"] for _, at, _ in points], 3),
+                _span([free["hit_tokens"] / at["mimo-host"]["ideal_hit_tokens"] for _, at, free in points], 3),
+                _span([at["mimo-host"]["host_swa_tokens_per_anchor"] for _, at, _ in points], 0),
+                f"{sum(_no_slower(at['mimo-host'], at['upstream-offload']) for _, at, _ in points)} of {len(points)}",
+            ]
+        )
+    return _table(
+        [
+            "workload", "KV GiB", "host tier ÷ upstream-offload", "÷ host tier, dense SWA", "÷ plugin, no host",
+            "host tier ÷ ideal", "swa-free (device + host) ÷ ideal", "SWA tokens per stored anchor",
+            "TTFT no higher than offload's",
+        ],
+        rows,
+    )
+
+
+def host_section(results: Path) -> Section:
+    lines = [
+        "The plugin with a host tier (`mimo-host`: evicted anchors' windows and Full KV copied to host",
+        "memory, loaded back at 25 GB/s) against vLLM's `OffloadingConnector` (`upstream-offload`) and",
+        "against storing SWA tails whole (`mimo-host-dense`). Why: [notes/host-tier.md](notes/host-tier.md).",
+        "",
+        *_commands(
+            "eval/run_replay_suite.sh --host               # PYTHONHASHSEED=0; host-<workload>{,-swa-free-5x}.json",
+            "eval/run_replay_suite.sh --host --open-loop   # host-<workload>-open-loop{,-swa-free-5x}.json",
+        ),
+        "",
+        "Ranges over budgets, host memory 4x the device's (every point: `python -m eval.replay_summary --host FILES`):",
+        "",
+        *_host_table(results),
+    ]
+    return Section("Host tier", lines)
+
+
+# --- window-local SWA attention ----------------------------------------------------------------
+
+
+def window_local_section(results: Path) -> Section:
+    runs = [_load(results, name)["rows"] for name in WINDOW_LOCAL_BENCH]
+    bench_rows = []
+    for rows in zip(*runs, strict=True):
+        first = rows[0]
+        bench_rows.append(
+            [
+                f"{first['chunk']:,}", f"{first['stock']['peak_swa_blocks_per_request']}",
+                f"{first['window-local']['peak_swa_blocks_per_request']}",
+                " / ".join(f"{r['stock']['median_s']:.3f}" for r in rows),
+                " / ".join(f"{r['window-local']['median_s']:.3f}" for r in rows),
+                " / ".join(f"**{r['ratio']:.2f}**" for r in rows),
+            ]
+        )
+    suite_rows = []
+    files = [*SUITE, *(f"{w}-open-loop" for w in OPEN_LOOP), "agentic-mooncake-mimo-v2-flash"]
+    for stem in files:
+        # Each file's own run: the plugin and the plugin on stock attention side by side.
+        by_budget = runs_by_budget(results / f"replay-{stem}.json")
+        pairs = [(at["mimo"], at["mimo-stock-attention"]) for _, at in sorted(by_budget.items())]
+        hits = [m["hit_tokens"] / s["hit_tokens"] for m, s in pairs if s["hit_tokens"]]
+        ttft = [m["ttft_mean_s"] / s["ttft_mean_s"] for m, s in pairs if s["ttft_mean_s"]]
+        suite_rows.append(
+            [
+                stem, f"{len(pairs)}", _span(hits), _span(ttft), f"{sum(t > 1 for t in ttft)}",
+                f"{max(m['peak_swa_blocks_per_request'] for m, _ in pairs):,} / "
+                f"{max(s['peak_swa_blocks_per_request'] for _, s in pairs):,}",
+            ]
+        )
+    chunk = {run["engine"]: run for run in _load(results, "replay-long-conversations-chunk8192.json")["runs"]}
+    local, stock = chunk["mimo"], chunk["mimo-stock-attention"]
+    lines = [
+        "The plugin computes SWA prefill window-locally, so a chunk holds SWA blocks only for the windows",
+        "read after its step ([notes/window-local.md](notes/window-local.md)).",
+        "",
+        "**In the engine**: one 4,096-token prompt, tiny MiMo, float32; median of 3 alternating rounds:",
+        "",
+        *_commands(
+            "python -m eval.bench_window_local --rounds 3 --json eval/results/bench-window-local-rounds.json"
+            "   # ~9 min; run 2 into -rounds-2.json"
+        ),
+        "",
+        *_table(
+            ["chunk", "SWA blocks per request: stock", "window-local", "prefill s, stock: run 1 / 2",
+             "window-local: run 1 / 2", "window-local ÷ stock: run 1 / 2"],
+            bench_rows,
+        ),
+        "",
+        "**In the replay**: `mimo` against `mimo-stock-attention` (the plugin on stock attention), same run",
+        "(the replay section's files, and `python -m eval.replay --trace eval/traces/agentic-mooncake.jsonl",
+        "--layout mimo-v2-flash --kv-gib 4 6 10 16 32 --json eval/results/replay-agentic-mooncake-mimo-v2-flash.json`):",
+        "",
+        *_table(
+            ["file", "budgets", "hits ÷ stock attention", "mean TTFT ÷ stock attention", "budgets with higher TTFT",
+             "peak SWA blocks per request: plugin / stock"],
+            suite_rows,
+        ),
+        "",
+        f"With 8,192-token chunks (long-conversations, {local['kv_gib']:g} GiB) a prefilling request holds "
+        f"{stock['peak_swa_blocks_per_request'] / local['peak_swa_blocks_per_request']:.1f}x fewer SWA blocks",
+        f"({local['peak_swa_blocks_per_request']:,} against {stock['peak_swa_blocks_per_request']:,}; target 25x) and hits "
+        f"{local['hit_tokens'] / stock['hit_tokens']:.2f}x the tokens:",
+        "",
+        *_commands(
+            "python -m eval.replay --workload long-conversations --layout mimo-v2.5-pro --kv-gib 16 "
+            "--engines mimo,mimo-stock-attention --prefill-chunk 8192 "
+            "--json eval/results/replay-long-conversations-chunk8192.json"
+        ),
+    ]
+    return Section("Window-local SWA attention", lines)
+
+
+# --- MTP -----------------------------------------------------------------------------------------
+
+
+def mtp_section(results: Path) -> Section:
+    bench = _load(results, "bench-mtp.json")
+    oracle_rows = []
+    for prompt in ("256", "1024"):
+        drafters = bench["oracle"][prompt]["drafters"]
+        cold = _load(results, f"bench-mtp-cold-{prompt}.json")["oracle"][prompt]
+        ratios = cold["ratios"]["0-128"]
+
+        def per_step(table: dict, name: str) -> str:
+            return f"{table[name]['0-128']['accepted_per_step']:.3f}"
+
+        oracle_rows.append(
+            [
+                prompt, per_step(drafters, "reuse k=3"), per_step(drafters, "distinct k=3 warm"),
+                " / ".join(per_step(cold["drafters"], f"distinct k=3 cold{kind}") for kind in ("", ", zero KV", ", stale KV")),
+                per_step(drafters, "distinct k=3 blind"),
+                f"{bench['oracle'][prompt]['ratios']['0-128']['warm_over_reuse_k3']:.3f}",
+                " / ".join(f"{ratios[k]:.3f}" for k in ("warm_over_cold", "warm_over_cold_zero_kv", "warm_over_cold_stale_kv")),
+            ]
+        )
+    cold_engine = _load(results, "bench-mtp-cold-vllm.json")["vllm"]
+    engine_rows = []
+    for key, runs in bench["vllm"].items():
+        vllm, ours = runs["vllm k=3"], runs["ours k=3"]
+        cold = cold_engine.get(key, {}).get("ours k=3 cold")
+        engine_rows.append(
+            [
+                key.replace("/", ", "),
+                f"{vllm['buckets']['0-128']['accepted_per_step']:.3f}",
+                f"{ours['buckets']['0-128']['accepted_per_step']:.3f}",
+                f"{cold['buckets']['0-128']['accepted_per_step']:.3f}" if cold else "-",
+                f"{ours['buckets']['0-128']['accepted_per_step'] / vllm['buckets']['0-128']['accepted_per_step']:.2f}",
+                f"{ours['oracle_agreement']:.2f}",
+                f"{ours['probe']['mean_p_draft']:.3f}" if ours.get("probe") else "-",
+            ]
+        )
+    lines = [
+        "vLLM reuses MiMo's MTP layer 0 for every draft; the plugin drafts token t with layer t and warms",
+        "every layer over the prompt ([notes/mtp.md](notes/mtp.md)). Trained tiny MiMo, k = 3, accepted",
+        "drafts per target step over output tokens 0-128. **The oracle** (`eval/mtp_oracle.py`,",
+        "teacher-forced on 16 held-out sequences; cold: drafter KV below the prompt's end masked, zeroed",
+        "or stale; blind: none):",
+        "",
+        *_commands(
+            "python -m eval.bench_mtp --vllm --json eval/results/bench-mtp.json    # ~45 min on one core",
+            'C=("distinct k=3 warm" "distinct k=3 cold" "distinct k=3 cold, zero KV" "distinct k=3 cold, stale KV")',
+            'python -m eval.bench_mtp --prompt-tokens 256 --drafters "${C[@]}" --json '
+            'eval/results/bench-mtp-cold-256.json    # and 1024 into -cold-1024.json; ~55 min each',
+            'python -m eval.bench_mtp --prompt-tokens 256 1024 --sequences 1 --drafters "distinct k=3 warm" '
+            '--vllm --engines "ours k=3 cold" --json eval/results/bench-mtp-cold-vllm.json',
+        ),
+        "",
+        *_table(
+            ["prompt tokens", "vLLM's drafter (layer 0 reused)", "ours, warm", "ours, cold: masked / zero / stale",
+             "blind", "warm ÷ vLLM's", "warm ÷ cold: masked / zero / stale"],
+            oracle_rows,
+        ),
+        "",
+        "**In vLLM** (8 prompts each; agreement: steps drafted as the oracle drafts; p(draft): the",
+        "target's mean probability of the first draft, which sampled acceptance should match):",
+        "",
+        *_table(["prompt tokens, temperature", "vLLM k=3", "ours k=3", "ours k=3, cold", "ours ÷ vLLM",
+                 "ours: oracle agreement", "ours: p(draft)"], engine_rows),
+    ]
+    return Section("MTP: all three layers as the drafter", lines)
+
+
+# --- served ----------------------------------------------------------------------------------------
+
+
+def served_section(results: Path) -> Section:
+    rows = []
+    for stem in BENCH_SERVE:
+        data = _load(results, f"{stem}.json")
+        base, new = ("on", "host") if "host" in data else ("off", "on")
+        r = data["ratios"]
+        rows.append(
+            [
+                data["workload"], data.get("dtype", "bfloat16"), f"{data['kv_gib']:g}", f"{data.get('host_gib', 0):g}",
+                f"{new} ÷ {base}", f"{data[new]['requests']:,}",
+                f"{data[new]['prompt_tokens_computed']:,} / {data[base]['prompt_tokens_computed']:,}",
+                f"**{r['prompt_tokens_computed']:.2f}**", f"**{r['ttft_p50']:.2f}**", f"{r['ttft_p90']:.2f}",
+                f"{r['output_tokens_per_s']:.2f}",
+                f"{data['same_answers']} of {data['turns_compared']}" if "turns_compared" in data else "-",
+            ]
+        )
+    soak = _load(results, "soak.json")
+    rejected = soak["rejected"]
+    soak_row = [
+        f"{soak['minutes']:g}", f"{soak['sessions']}", f"{soak['requests']:,}", f"{soak['completed']:,}",
+        f"{soak['aborted_mid_stream']:,}", f"{soak['cancelled']:,}",
+        " / ".join(f"{rejected[k]}" for k in ("over max_model_len", "malformed anchors", "malformed cache_control")),
+        f"{len(soak['unexpected'])}", f"{soak['hit_tokens']:,}", f"{soak['pseudo_hit_tokens']:,}",
+        f"{soak['held_blocks_after']:g}", f"{soak['integrity_checks']} / {soak['integrity_violations']}",
+        f"{soak['compared']:,} / {soak['differing']}",
+    ]
+    lines = [
+        "`vllm serve` of the trained tiny MiMo, the same seeded sessions against the plugin off (for the",
+        "host tier: the plugin without it), one run each; float32 answers are compared",
+        "([notes/served.md](notes/served.md)).",
+        "",
+        *_commands(
+            "python -m eval.bench_serve --workload shared-system-prompt --json "
+            "eval/results/bench-serve-shared-system-prompt-kv0.015.json",
+            "python -m eval.bench_serve --workload shared-system-prompt --kv-gib 0.05 --json "
+            "eval/results/bench-serve-shared-system-prompt-kv0.05.json",
+            "python -m eval.bench_serve --workload shared-system-prompt --dtype float32 --kv-gib 0.03 --json "
+            "eval/results/bench-serve-shared-system-prompt-float32-kv0.03.json",
+            "python -m eval.bench_serve --workload agent-sessions --dtype float32 --kv-gib 0.03 --host-gib 0.5 "
+            "--sessions 128 --clients 16 --duration 300 --json "
+            "eval/results/bench-serve-agent-sessions-float32-kv0.03-host0.5.json",
+        ),
+        "",
+        *_table(
+            ["workload", "dtype", "KV GiB", "host GiB", "compared", "requests", "prompt tokens computed",
+             "computed ratio", "TTFT p50 ratio", "TTFT p90 ratio", "output tok/s ratio", "same answers"],
+            rows,
+        ),
+        "",
+        "**Soak**: sessions that disconnect mid-stream, give up after 50 ms, send prompts over",
+        "`max_model_len` and malformed anchors and `cache_control`; 0.01 GiB device KV, a 0.02 GiB host",
+        "tier, integrity checked at idle; every completed turn then replayed plugin-off (float32;",
+        "`python -m eval.soak --minutes 10 --json eval/results/soak.json`):",
+        "",
+        *_table(
+            ["minutes", "sessions", "requests", "completed", "aborted mid-stream", "cancelled",
+             "rejected (HTTP 400): too long / anchors / cache_control", "unexpected errors", "hit tokens",
+             "pseudo hits", "blocks held after", "integrity checks / violations", "turns compared / differing"],
+            [soak_row],
+        ),
+    ]
+    return Section("Served", lines)
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+
+def gpu_section(results: Path) -> Section:
+    check = _load(results, "gpu-check.json")
+    rows = [
+        [
+            row["case"]["name"], f"{row['max_error_vs_reference']:.1e}", f"{row['max_error_vs_stock_no_sinks']:.1e}",
+            f"{row['negative_control_error']:.2f}", f"{row['ours_ms']:.3f}", f"{row['stock_ms']:.3f}",
+            f"{row['ours_ms'] / row['stock_ms']:.1f}",
+            f"{row['ours_chunk_call_ms'] + row['ours_context_call_ms']:.3f}",
+            f"{row['cached_swa_tokens_read_ours']:,} / {row['swa_tokens_in_cache_stock']:,}",
+            "yes" if row["passed"] else "**no**",
+        ]
+        for row in check["rows"]
+    ]
+    host = check["host_copy"]
+    copy_rows = [
+        [
+            kind, f"{host[kind]['bytes'] / 2**20:.0f}", f"{host[kind]['copies']:,}",
+            f"{host[kind]['store']['ms']:.1f} / {host[kind]['load']['ms']:.1f}",
+            f"{host[kind]['store']['GB_per_s']:.1f} / {host[kind]['load']['GB_per_s']:.1f}",
+        ]
+        for kind in ("window", "whole")
+    ]
+    lines = [
+        f"One {check['device']} (torch {check['torch']}, FlashInfer {check['flashinfer']}): `SplitPrefill` (two",
+        "FlashInfer calls, merged with sinks in torch) against a float32 reference and the stock call,",
+        f"bf16, tolerance {check['tolerance']:g}, garbage in the cache outside the windows; then the host tier's",
+        "copies on CUDA for one 8,192-token request ([notes/gpu.md](notes/gpu.md); on the GPU machine:",
+        "`bash eval/gpu_wheels.sh && MAX_JOBS=16 bash eval/gpu_check.sh`, which writes `gpu-check.json`):",
+        "",
+        *_table(
+            ["case", "max err vs reference", "vs stock (no sinks)", "negative control", "ours ms", "stock ms",
+             "ours ÷ stock", "our two FlashInfer calls ms", "SWA tokens read: ours / stock", "passed"],
+            rows,
+        ),
+        "",
+        *_table(["host copy", "MiB", "copies", "store / load ms", "store / load GB/s"], copy_rows),
+    ]
+    return Section("On a GPU", lines)
+
+
+# --- at a glance, targets, gaps -------------------------------------------------------------------
+
+
+def _glance_row(name: str, points: list[PeerPoint]) -> list[str]:
+    """One set of replay points: its ratio ranges, `swa-free` only where its target applies."""
+    return [
+        name, f"{len(points)}",
+        _span([v for p in points if (v := p.over(p.best_upstream)) is not None]),
+        _span([v for p in points if (v := p.over(p.best_sglang)) is not None]),
+        _span([v for p in points if p.free_counts and (v := p.over("swa-free")) is not None]),
+        f"{sum(p.met for p in points)} of {len(points)}",
+    ]
+
+
+def glance_section(results: Path) -> Section:
+    rows = [_glance_row(name, _points(results, list(stems))) for name, stems in REPLAY_SETS]
+    lines = [
+        "The plugin's hit tokens over each peer's best setting, ranges over budgets (`swa-free` where it",
+        f"reaches half the ideal). Targets: >= both peers' best, and >= {FREE_SHARE} of `swa-free` there.",
+        "",
+        *_table(["replay", "points", "÷ best upstream", "÷ best SGLang", "÷ swa-free", "targets met"], rows),
+    ]
+    return Section("At a glance", lines)
+
+
+def _misses(results: Path, test, ratio) -> str:
+    """The points of every replay set where `test` fails, each with `ratio`, or "" where none."""
+    found = []
+    for label, stems in REPLAY_SETS:
+        for p in _points(results, list(stems)):
+            if not test(p):
+                found.append(f"{p.source} {p.kv_gib:g} GiB, {label.split(', ')[-1]} ({_x(ratio(p), 3)})")
+    return "; ".join(found)
+
+
+def targets_section(results: Path) -> Section:
+    n = sum(len(_points(results, list(stems))) for _, stems in REPLAY_SETS)
+    up = _misses(results, lambda p: not p.best_upstream or p.over(p.best_upstream) >= 1, lambda p: p.over(p.best_upstream))
+    sg = _misses(results, lambda p: not p.best_sglang or p.over(p.best_sglang) >= 1, lambda p: p.over(p.best_sglang))
+    free = _misses(
+        results, lambda p: not p.free_counts or p.over("swa-free") >= FREE_SHARE, lambda p: p.over("swa-free")
+    )
+    bound = {run["engine"]: run["hit_tokens"] for run in _load(results, "bound-agentic-mooncake-6.json")["runs"]}
+    spread = _load(results, "sensitivity-agentic-mooncake-6-swa-free.json")["points"][0]["mimo_over_other"]["hit_tokens"]
+    host = [at for stem in [*SUITE, *(f"{w}-open-loop" for w in OPEN_LOOP)] for _, at, _ in _host_points(results, stem)]
+    local = [
+        (at["mimo"], at["mimo-stock-attention"])
+        for stem in [*SUITE, *(f"{w}-open-loop" for w in OPEN_LOOP), "agentic-mooncake-mimo-v2-flash"]
+        for at in runs_by_budget(results / f"replay-{stem}.json").values()
+    ]
+    slower = [m["ttft_mean_s"] / s["ttft_mean_s"] for m, s in local if m["ttft_mean_s"] > s["ttft_mean_s"]]
+    wl_ratios = [row["ratio"] for name in WINDOW_LOCAL_BENCH for row in _load(results, name)["rows"]]
+    swa_per_anchor = [a["mimo-host"]["host_swa_tokens_per_anchor"] for a in host]
+    served = [_load(results, f"{stem}.json") for stem in BENCH_SERVE]
+    mtp = _load(results, "bench-mtp.json")
+    mtp_reuse = [mtp["oracle"][p]["ratios"]["0-128"]["warm_over_reuse_k3"] for p in ("256", "1024")]
+    mtp_engine = [
+        runs["ours k=3"]["buckets"]["0-128"]["accepted_per_step"] / runs["vllm k=3"]["buckets"]["0-128"]["accepted_per_step"]
+        for runs in mtp["vllm"].values()
+    ]
+    mtp_cold = [
+        ratio
+        for p in ("256", "1024")
+        for key, ratio in _load(results, f"bench-mtp-cold-{p}.json")["oracle"][p]["ratios"]["0-128"].items()
+        if key.startswith("warm_over_cold")
+    ]
+    served_met = [d for d in served if d["ratios"]["prompt_tokens_computed"] <= 0.8 and d["ratios"]["ttft_p50"] < 1]
+    lines = [
+        "- Replay, the plugin >= the best upstream setting: " + (f"missed at {up}." if up else f"**met at all {n} points**."),
+        "- The plugin >= SGLang's best setting: " + (f"missed at {sg}." if sg else "**met at every point where SGLang ran**."),
+        f"- >= {FREE_SHARE} of `swa-free` where `swa-free` reaches half the ideal: "
+        + (f"**missed at {free}**." if free else "**met everywhere**."),
+        "  At agentic-mooncake 6 GiB (one trace, so both loops are one run) no online rule gets past it:",
+        f"  the clairvoyant bound keeps {bound['clairvoyant-placement'] / bound['swa-free']:.2f} of "
+        "`swa-free` with anchors placed only",
+        f"  where a later hit ends, {bound['clairvoyant'] / bound['swa-free']:.2f} with Belady's eviction "
+        "too; over budgets within",
+        f"  1% of 6 GiB the plugin keeps {spread:.3f} of it ([notes/anchors.md](notes/anchors.md); commands below).",
+        f"- Host tier, both loops: `mimo-host` >= `upstream-offload` at "
+        f"{sum(a['mimo-host']['hit_tokens'] >= a['upstream-offload']['hit_tokens'] for a in host)} of {len(host)}.",
+        f"- `mimo-host` >= `mimo-host-dense` at "
+        f"{sum(a['mimo-host']['hit_tokens'] >= a['mimo-host-dense']['hit_tokens'] for a in host)} of {len(host)}; "
+        f"lowest {min(a['mimo-host']['hit_tokens'] / a['mimo-host-dense']['hit_tokens'] for a in host):.4f}x.",
+        f"- SWA stored per anchor <= W = 128 tokens: at {sum(t <= 128 for t in swa_per_anchor)} of {len(host)} "
+        f"({_span(swa_per_anchor, 0)}).",
+        f"- Window-local attention: hits >= stock attention's at "
+        f"{sum(m['hit_tokens'] >= s['hit_tokens'] for m, s in local)} of {len(local)} replay points; mean TTFT",
+        f"  higher at {len(slower)} of them (at most {max(slower, default=1):.3f}x); prefill time in the engine "
+        f"{_span(wl_ratios)}x stock's (target: within 1.2x).",
+        f"- MTP, ours warm over vLLM's layer-0 reuse at k = 3: {_span(mtp_reuse, 3)}x in the oracle, "
+        f"{_span(mtp_engine)}x in vLLM. **Warm at",
+        f"  least 1.3x cold: not met** ({_span(mtp_cold, 3)}x): the checkpoint's MTP heads recover within a few dozen",
+        "  output tokens ([notes/mtp.md](notes/mtp.md)).",
+        f"- Served (target: prompt tokens computed <= 0.8x, TTFT p50 lower): met in {len(served_met)} of "
+        f"{len(served)} runs; where not, the",
+        "  plugin computes fewer tokens but the tiny model's fixed per-request cost hides it in TTFT",
+        "  ([notes/served.md](notes/served.md)). Every float32 answer is the same on both sides.",
+    ]
+    lines += [
+        "",
+        *_commands(
+            "python -m eval.replay_bound --trace eval/traces/agentic-mooncake.jsonl --layout mimo-v2.5-pro "
+            "--kv-gib 6 --json eval/results/bound-agentic-mooncake-6.json",
+            "python -m eval.replay_sensitivity --trace eval/traces/agentic-mooncake.jsonl --layout mimo-v2.5-pro "
+            "--kv-gib 6 --against swa-free --json eval/results/sensitivity-agentic-mooncake-6-swa-free.json",
+        ),
+    ]
+    return Section("Targets met and missed", lines)
+
+
+def gaps_section(results: Path) -> Section:
+    bound = {run["engine"]: run["hit_tokens"] for run in _load(results, "bound-mooncake-conversation-2000-320.json")["runs"]}
+    kept, clairvoyant = bound["mimo"] / bound["swa-free"], bound["clairvoyant"] / bound["swa-free"]
+    gpu = _span([row["ours_ms"] / row["stock_ms"] for row in _load(results, "gpu-check.json")["rows"]], 1)
+    lines = [
+        "- **Hits against `swa-free` at tight budgets of long-context workloads**: SWA KV costs memory",
+        "  there (a 48-block window per anchor, the running requests' windows) that `swa-free` does not",
+        "  pay, and the clairvoyant bounds show no anchor policy closes it. Where memory is not tight it",
+        f"  is closed: on the slice's first 2,000 requests at 320 GiB the plugin keeps {kept:.2f} of",
+        f"  `swa-free`, the bound {clairvoyant:.2f} (`bound-mooncake-conversation-2000-320.json`).",
+        "- **Demoted anchors still take a window while their chunk prefills**; the queue look-ahead can",
+        "  hold Full KV for one-off prompts ([anchors](notes/anchors.md), [lookahead](notes/lookahead.md)).",
+        "- **One replay point is not a measurement**: a budget 1% away moves hits by 3-12% under memory",
+        "  pressure, so close calls are judged over nearby budgets (`eval.replay_sensitivity`).",
+        "- **Not run**: vLLM's FlashInfer backend running `SplitPrefill` (`cuda.py`), `cuda_diffkv.py`, the",
+        f"  host connector and MTP's V2 runner in a CUDA engine; a fused merge for `SplitPrefill` ({gpu}x the",
+        "  stock call, mostly torch); a vLLM 0.33 build (its sources ran over 0.32's CPU kernels); SGLang's",
+        "  scheduler ([sglang-peer](notes/sglang-peer.md), [gpu](notes/gpu.md)).",
+    ]
+    return Section("Known gaps", lines)
+
+
+def notes_section() -> Section:
+    lines = ["; ".join(f"[{name.removesuffix('.md')}](notes/{name}) ({what})" for name, what in NOTES) + "."]
+    return Section("Notes: why it is built this way", lines)
+
+
+PREAMBLE = [
+    "# Results",
+    "",
+    "What the plugin gains over upstream vLLM and SGLang, and where it loses; each table with the command",
+    "that makes its data. Generated from `eval/results/` by `python -m eval.results_page` (edit that, not",
+    "this page). CPU runs on 2 cores; the GPU check on one lent GPU. Why: [notes/](notes/).",
+]
+
+
+def sections(results: Path = RESULTS) -> list[Section]:
+    return [
+        glance_section(results),
+        replay_section(results),
+        host_section(results),
+        window_local_section(results),
+        mtp_section(results),
+        served_section(results),
+        gpu_section(results),
+        targets_section(results),
+        gaps_section(results),
+        notes_section(),
+    ]
+
+
+def render(results: Path = RESULTS) -> str:
+    """The whole page, from the JSON under `results`."""
+    out = list(PREAMBLE)
+    for section in sections(results):
+        out += ["", f"## {section.title}", "", *section.lines]
+    return "\n".join(out) + "\n"
+
+
+def split_sections(page: str) -> dict[str, str]:
+    """The page's text by `## ` section title (the preamble under "")."""
+    parts: dict[str, list[str]] = {"": []}
+    current = ""
+    for line in page.splitlines():
+        if line.startswith("## "):
+            current = line[3:]
+            parts[current] = []
+        else:
+            parts[current].append(line)
+    return {title: "\n".join(lines).strip() for title, lines in parts.items()}
+
+
+def differing_sections(expected: str, actual: str) -> list[str]:
+    """Titles of the sections where `actual` differs from `expected` (missing or extra ones too)."""
+    want, have = split_sections(expected), split_sections(actual)
+    titles = list(want) + [t for t in have if t not in want]
+    return [title or "(preamble)" for title in titles if want.get(title) != have.get(title)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.results_page", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true",
+        help="write nothing; exit 1 and name each section where the page differs from what its JSON gives",
+    )
+    parser.add_argument("--results", type=Path, default=ROOT / RESULTS, help="folder of the JSON files (default: eval/results)")
+    parser.add_argument("--out", type=Path, default=ROOT / PAGE, help="the page to write or check (default: eval/RESULTS.md)")
+    args = parser.parse_args(argv)
+    if not args.results.is_dir():
+        parser.error(f"--results {args.results}: not a folder")
+    page = render(args.results)
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        stale = differing_sections(page, current)
+        if stale:
+            print(f"{args.out} is stale in: {', '.join(stale)}; run `python -m eval.results_page`", file=sys.stderr)
+            return 1
+        print(f"{args.out} is up to date")
+        return 0
+    args.out.write_text(page)
+    print(f"wrote {args.out} ({page.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
