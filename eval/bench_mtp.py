@@ -36,6 +36,7 @@ accepted per step, tokens per step, acceptance by draft position; the ratios the
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import sys
@@ -300,7 +301,13 @@ def engine_job(job: dict) -> dict:
     """One engine (in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM starts), its
     prompts one at a time, under each of `job["temperatures"]`: output ids, drafts per step,
     vLLM's spec-decode counters, the plugin's acceptance by bucket and the rejection-sampler probe.
-    `job["cold"]`: the plugin's drafter not run over the prompt (`MimoMTPProposer.warm_prompt`)."""
+    `job["cold"]`: the plugin's drafter not run over the prompt (`MimoMTPProposer.warm_prompt`);
+    `job["additional_config"]`: vLLM's, for the plugin's settings; `job["patch"]`: a
+    "module:function" called first (a test's fault injection); the result's `mimo` is the
+    plugin's metrics snapshot at the end (None with the plugin off)."""
+    if job.get("patch"):
+        module, function = job["patch"].split(":")
+        getattr(importlib.import_module(module), function)()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -326,6 +333,7 @@ def engine_job(job: dict) -> dict:
         # a cold run's prompts must not hit the cache (the second temperature repeats them)
         enable_prefix_caching=not job.get("cold", False),
         speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None,
+        additional_config=job.get("additional_config") or {},
     )
 
     def counters() -> dict:
@@ -366,7 +374,10 @@ def engine_job(job: dict) -> dict:
             "counters": delta,
             "probe": {"all_finite": probe.get("all_finite", True), "mean_p_draft": sum(p) / len(p) if p else None},
         })
-    return {"k": k, "results": results}
+    from vllm_mimo.metrics import read_snapshots
+
+    snapshots = read_snapshots()
+    return {"k": k, "results": results, "mimo": snapshots[0] if snapshots else None}
 
 
 def run_engine_job(job: dict, env: dict[str, str]) -> dict:

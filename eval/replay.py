@@ -54,6 +54,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from eval import sglang_peer
 from eval.layouts import (
@@ -154,6 +155,9 @@ class RunResult:
     """Tokens loaded from the host tier, re-admissions after preemption included."""
     host_bytes_stored: int = 0
     host_bytes_loaded: int = 0
+    failed_load_tokens: int = 0
+    """Tokens of first admissions' host extensions whose load failed (no host pages to read L3
+    into): counted by the manager as hits, recomputed, not in `hit_tokens`."""
     host_swa_tokens_per_anchor: float = 0.0
     """The plugin's host tiers: SWA KV stored per anchor demoted to host, in tokens of every SWA
     layer (mask-only: at most the window)."""
@@ -306,85 +310,141 @@ def _full_group_hit(manager, request) -> int:
     return 0
 
 
-def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayRequest], ideal: list[int],
-             params: SimParams, progress: bool = True, mimo_factory: Callable | None = None,
-             on_step: Callable[[], None] | None = None) -> RunResult:
-    """Replay `requests` through one engine at one budget. `mimo_factory`: see `make_manager`;
-    `on_step`: called after every simulated step."""
-    from vllm.sampling_params import SamplingParams
+def make_hasher(hash_block_size: int) -> Callable:
+    """vLLM's block hasher for requests (sha256 chained hashes, as the engine core sets up)."""
     from vllm.utils.hashing import sha256
 
-    from vllm_mimo.compat import Request, RequestStatus, get_request_block_hasher, init_none_hash
-    from vllm_mimo.engine.lookahead import QueueLookahead
-    from vllm_mimo.engine.step_budget import StepBudget
+    from vllm_mimo.compat import get_request_block_hasher, init_none_hash
 
-    host_gib = (params.host_gib if params.host_gib is not None else 4 * kv_gib) if engine in HOST_ENGINES else 0.0
-    is_sglang = sglang_peer.parse_engine(engine) is not None
-    made = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_factory, host_bytes=int(host_gib * GIB))
-    manager, num_blocks, hash_block_size = made[:3]
-    offload = made[3] if len(made) > 3 else None
-    # upstream-offload: requests waiting for their load from host; those the connector has seen
-    # scheduled; this step's new block ids per running request; this step's preempted ones.
-    loading: dict[str, Request] = {}
-    stalled = 0  # steps in a row that scheduled nothing with no transfer in flight
-    known: set[str] = set()
-    step_ids: dict[str, tuple] = {}
-    preempted_ids: set[str] = set()
-    call = _Timed(manager)
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(hash_block_size, sha256)
-    result = RunResult(engine, kv_gib, num_blocks, requests=len(requests), host_gib=host_gib)
-    is_mimo = engine in PLUGIN_ENGINES
-    host = manager.cache.host if is_mimo and engine in HOST_ENGINES else None
-    block_bytes = page_bytes(manager.kv_cache_config) if host else 0
-    # Pages a position's Full / SWA copy takes (host pages have a device block's bytes).
-    position_pages = (manager.geometry.full_ids_per_position, manager.geometry.swa_ids_per_position) if host else (0, 0)
-    # As the plugin's scheduler cuts its steps and caps prefill chunks (MimoConfig.prefill_chunk_tokens,
-    # vLLM's long_prefill_token_threshold) when memory is short; upstream's do neither.
-    step_budget = (
-        StepBudget(manager.cache, params.step_prefill_floor, params.prefill_chunk)
-        if is_mimo and (params.step_prefill_floor or params.prefill_chunk)
-        else None
+    return get_request_block_hasher(hash_block_size, sha256)
+
+
+def make_request(requests: list[ReplayRequest], i: int, sent_s: float, hasher: Callable):
+    """vLLM's `Request` for request `i` (id `str(i)`), sent at `sent_s`."""
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_mimo.compat import Request
+
+    r = requests[i]
+    return Request(
+        str(i), tokens(r.prompt), SamplingParams(max_tokens=r.output.length), None,
+        arrival_time=sent_s, block_hasher=hasher,
     )
-    lookahead = QueueLookahead(manager.cache, params.queue_lookahead) if is_mimo else None
-    peak: dict[str, int] = {}
 
-    # Requests not yet sent, by send time; a next turn joins when its previous turn finishes.
-    previous = previous_turns(requests) if params.closed_loop else [None] * len(requests)
-    pending = [(r.arrival_s, i) for i, r in enumerate(requests) if previous[i] is None]
-    heapq.heapify(pending)
-    next_turns: dict[str, list[int]] = {}
-    for i, prev in enumerate(previous):
-        if prev is not None:
-            next_turns.setdefault(str(prev), []).append(i)
-    waiting: deque = deque()
-    running: list = []
-    outputs: dict[str, list[int]] = {}
-    in_prefill: dict[str, bool] = {}
-    now, wall0, last_report = 0.0, time.perf_counter(), 0.0
-    finished = 0
 
-    def make_request(i: int, sent_s: float):
-        r = requests[i]
-        outputs[str(i)] = list(segment_tokens(r.output))
-        req = Request(
-            str(i), tokens(r.prompt), SamplingParams(max_tokens=r.output.length), None,
-            arrival_time=sent_s, block_hasher=hasher,
+class Arrivals:
+    """Requests not yet sent, by send time; with `closed_loop`, a next turn joins when its
+    previous turn finishes (at its timestamp or then, whichever is later)."""
+
+    def __init__(self, requests: list[ReplayRequest], closed_loop: bool) -> None:
+        self.requests = requests
+        previous = previous_turns(requests) if closed_loop else [None] * len(requests)
+        self.pending = [(r.arrival_s, i) for i, r in enumerate(requests) if previous[i] is None]
+        heapq.heapify(self.pending)
+        self.next_turns: dict[str, list[int]] = {}
+        for i, prev in enumerate(previous):
+            if prev is not None:
+                self.next_turns.setdefault(str(prev), []).append(i)
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    @property
+    def next_s(self) -> float:
+        """When the next request is sent (only while there is one)."""
+        return self.pending[0][0]
+
+    def pop(self) -> tuple[float, int]:
+        """(sent at, index) of the next request."""
+        return heapq.heappop(self.pending)
+
+    def finished(self, request_id: str, now: float) -> None:
+        """Request `request_id` finished at `now`: its next turns can be sent."""
+        for i in self.next_turns.pop(request_id, ()):
+            heapq.heappush(self.pending, (max(self.requests[i].arrival_s, now), i))
+
+
+class EngineReplay:
+    """One engine at one budget, stepped through simulated time: the scheduling loop, one step
+    per `step` call, for a driver that owns the arrivals (`simulate`; `eval.replay_cluster`
+    runs several on one clock). `requests` and `ideal` are indexed by request id (`str(i)`);
+    it serves only those `enqueue`d. `mimo_factory`: see `make_manager`."""
+
+    def __init__(self, engine: str, layout: str, kv_gib: float, requests: list[ReplayRequest], ideal: list[int],
+                 params: SimParams, mimo_factory: Callable | None = None) -> None:
+        from vllm_mimo.engine.lookahead import QueueLookahead
+        from vllm_mimo.engine.step_budget import StepBudget
+
+        self.engine, self.kv_gib, self.requests, self.ideal, self.params = engine, kv_gib, requests, ideal, params
+        host_gib = (params.host_gib if params.host_gib is not None else 4 * kv_gib) if engine in HOST_ENGINES else 0.0
+        self.is_sglang = sglang_peer.parse_engine(engine) is not None
+        made = make_manager(engine, layout, int(kv_gib * GIB), params, mimo_factory, host_bytes=int(host_gib * GIB))
+        self.manager, self.num_blocks, hash_block_size = made[:3]
+        self.offload = made[3] if len(made) > 3 else None
+        # upstream-offload: requests waiting for their load from host; those the connector has seen
+        # scheduled; this step's new block ids per running request; this step's preempted ones.
+        self.loading: dict[str, Any] = {}
+        self.stalled = 0  # steps in a row that scheduled nothing with no transfer in flight
+        self.known: set[str] = set()
+        self.step_ids: dict[str, tuple] = {}
+        self.preempted_ids: set[str] = set()
+        self.call = _Timed(self.manager)
+        self.hasher = make_hasher(hash_block_size)
+        self.result = RunResult(engine, kv_gib, self.num_blocks, requests=len(requests), host_gib=host_gib)
+        self.is_mimo = engine in PLUGIN_ENGINES
+        self.host = self.manager.cache.host if self.is_mimo and engine in HOST_ENGINES else None
+        self.block_bytes = page_bytes(self.manager.kv_cache_config) if self.host else 0
+        # Pages a position's Full / SWA copy takes (host pages have a device block's bytes).
+        geometry = self.manager.geometry if self.host else None
+        self.position_pages = (geometry.full_ids_per_position, geometry.swa_ids_per_position) if geometry else (0, 0)
+        # As the plugin's scheduler cuts its steps and caps prefill chunks (MimoConfig.prefill_chunk_tokens,
+        # vLLM's long_prefill_token_threshold) when memory is short; upstream's do neither.
+        self.step_budget = (
+            StepBudget(self.manager.cache, params.step_prefill_floor, params.prefill_chunk)
+            if self.is_mimo and (params.step_prefill_floor or params.prefill_chunk)
+            else None
         )
-        if offload is not None:
-            offload.on_new_request(req)
-        return req
+        self.lookahead = QueueLookahead(self.manager.cache, params.queue_lookahead) if self.is_mimo else None
+        self.peak: dict[str, int] = {}
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.outputs: dict[str, list[int]] = {}
+        self.in_prefill: dict[str, bool] = {}
+        self.scheduled: dict[str, int] = {}  # this step's tokens per request
+        self.now = 0.0
+        self.finished = 0
+        self.wall0 = time.perf_counter()
 
-    def inflight_reservation() -> int:
+    @property
+    def busy(self) -> bool:
+        """Requests wait, run or load."""
+        return bool(self.waiting or self.running or self.loading)
+
+    def make_request(self, i: int, sent_s: float):
+        return make_request(self.requests, i, sent_s, self.hasher)
+
+    def enqueue(self, req) -> None:
+        """A request (`make_request`) sent now joins the waiting queue."""
+        self.outputs[req.request_id] = list(segment_tokens(self.requests[int(req.request_id)].output))
+        if self.offload is not None:
+            self.offload.on_new_request(req)
+        self.waiting.append(req)
+        self.in_prefill[req.request_id] = True
+
+    def inflight_reservation(self) -> int:
         """What vLLM keeps free for in-flight prefills when it admits an asynchronous load
         (`Scheduler._inflight_prefill_reserved_blocks`): the blocks each still needs for its
         whole sequence, for running requests still prefilling after this step's chunk and for
         loaded requests waiting to run."""
-        total = 0
-        for r in [*running, *loading.values(), *(w for w in waiting if w.status == RequestStatus.WAITING_FOR_REMOTE_KVS)]:
-            if r.status == RequestStatus.RUNNING and r.num_computed_tokens + scheduled.get(r.request_id, 0) >= r.num_tokens:
+        from vllm_mimo.compat import RequestStatus
+
+        manager, total = self.manager, 0
+        waiting_loaded = (w for w in self.waiting if w.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        for r in [*self.running, *self.loading.values(), *waiting_loaded]:
+            if r.status == RequestStatus.RUNNING and r.num_computed_tokens + self.scheduled.get(r.request_id, 0) >= r.num_tokens:
                 continue
-            n = min(r.num_tokens, params.max_model_len)
+            n = min(r.num_tokens, self.params.max_model_len)
             total += manager.coordinator.get_num_blocks_to_allocate(
                 request_id=r.request_id, num_tokens=n, new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
                 num_encoder_tokens=0, total_computed_tokens=r.num_computed_tokens,
@@ -393,39 +453,47 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             )
         return total
 
-    def preempt(victim) -> None:
-        preempted_ids.add(victim.request_id)
-        call("free", victim)
+    def preempt(self, victim) -> None:
+        from vllm_mimo.compat import RequestStatus
+
+        self.preempted_ids.add(victim.request_id)
+        self.call("free", victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        in_prefill[victim.request_id] = True
-        waiting.appendleft(victim)
-        result.preemptions += 1
+        self.in_prefill[victim.request_id] = True
+        self.waiting.appendleft(victim)
+        self.result.preemptions += 1
 
-    while pending or waiting or running or loading:
-        while pending and pending[0][0] <= now:
-            sent_s, i = heapq.heappop(pending)
-            waiting.append(make_request(i, sent_s))
-            in_prefill[str(i)] = True
-        if not waiting and not running and not loading:
-            now = pending[0][0]
-            continue
+    def step_seconds(self, prefill_tokens: int, loaded_bytes: int) -> float:
+        """Simulated time of a step: decode, the prefill it computes and the bytes it loads from host."""
+        params = self.params
+        return params.decode_s_per_step + prefill_tokens * params.prefill_s_per_token + loaded_bytes / (params.host_gbps * 1e9)
+
+    def step(self) -> list[str]:
+        """Schedule and run one step (only while `busy`); the ids of the requests it finished.
+        ValueError: the engine cannot hold the first waiting request even with nothing else running."""
+        from vllm_mimo.compat import RequestStatus
+
+        params, manager, call, result = self.params, self.manager, self.call, self.result
+        waiting, running, loading = self.waiting, self.running, self.loading
+        host, offload, is_mimo, is_sglang = self.host, self.offload, self.is_mimo, self.is_sglang
+        position_pages, block_bytes, now = self.position_pages, self.block_bytes, self.now
         if is_sglang:
             manager.begin_step(list(waiting), decoding=bool(running))
-        if lookahead is not None:
-            call.uncounted(lookahead.step, waiting)
+        if self.lookahead is not None:
+            call.uncounted(self.lookahead.step, waiting)
         budget = params.token_budget
         loaded_bytes = 0  # from the host tier, this step
         host_loaded: list[str] = []  # requests whose load from the plugin's host tier ran this step
         full_budget = budget
         chunk_cap = 0  # vLLM applies it only when another request runs or waits
-        if step_budget is not None:
+        if self.step_budget is not None:
             if len(running) + len(waiting) > 1:
-                chunk_cap = call.uncounted(step_budget.chunk_cap, budget)
-            budget = call.uncounted(step_budget.token_limit, running, budget)
+                chunk_cap = call.uncounted(self.step_budget.chunk_cap, budget)
+            budget = call.uncounted(self.step_budget.token_limit, running, budget)
         limit = budget
-        scheduled: dict[str, int] = {}
+        self.scheduled = scheduled = {}
         preempted = False
         idx = 0
         while idx < len(running) and budget > 0:
@@ -439,12 +507,12 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             while True:
                 new = call("allocate_slots", req, n)
                 if new is not None:
-                    step_ids[req.request_id] = new.get_block_ids(allow_none=True)
+                    self.step_ids[req.request_id] = new.get_block_ids(allow_none=True)
                     break
                 victim = running.pop()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
-                preempt(victim)
+                self.preempt(victim)
                 preempted = True
                 if victim is req:
                     break
@@ -493,7 +561,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             new = call(
                 "allocate_slots", req, 0 if external else n, num_new_computed_tokens=hit,
                 new_computed_blocks=blocks, num_external_computed_tokens=external,
-                delay_cache_blocks=external > 0, reserved_blocks=inflight_reservation() if external else 0,
+                delay_cache_blocks=external > 0, reserved_blocks=self.inflight_reservation() if external else 0,
                 full_sequence_must_fit=True, has_scheduled_reqs=bool(running),
             )
             if new is None:
@@ -504,15 +572,20 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
             if external:
                 if host is not None:  # the plugin's copies (`--host-gbps`), done within the step
                     plan = manager.cache.take_load(req.request_id)
-                    loaded_bytes += (len(plan.full) * position_pages[0] + len(plan.swa) * position_pages[1]) * block_bytes
-                    manager.cache.finish_load(plan)
+                    if plan.failed:  # no host pages to read L3 into: recomputed, as vLLM does a failed load
+                        if req.num_preemptions == 0:
+                            result.failed_load_tokens += external
+                        external = 0
+                    else:
+                        loaded_bytes += (len(plan.full) * position_pages[0] + len(plan.swa) * position_pages[1]) * block_bytes
+                    manager.cache.finish_load(plan, failed=plan.failed)
                     host_loaded.append(req.request_id)
                 if req.num_preemptions == 0:
                     result.first_tokens[req.request_id] = FirstToken(req.arrival_time, now, hit + external)
                     result.prompt_tokens += req.num_prompt_tokens
                     result.hit_tokens += hit + external
                     result.host_hit_tokens += external
-                    result.ideal_hit_tokens += ideal[int(req.request_id)]
+                    result.ideal_hit_tokens += self.ideal[int(req.request_id)]
                     if not is_mimo:
                         result.full_hit_tokens += max(full_hit, hit + external)
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -523,7 +596,7 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
                 result.first_tokens[req.request_id] = FirstToken(req.arrival_time, now, hit)
                 result.prompt_tokens += req.num_prompt_tokens
                 result.hit_tokens += hit
-                result.ideal_hit_tokens += ideal[int(req.request_id)]
+                result.ideal_hit_tokens += self.ideal[int(req.request_id)]
                 if not is_mimo:
                     result.full_hit_tokens += max(full_hit, hit)
                     result.pseudo_hit_tokens += max(0, full_hit - hit)
@@ -536,24 +609,24 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         if offload is not None:
             new_ids, cached_ids, resumed = {}, {}, set()
             for rid in scheduled:
-                if rid not in known:
+                if rid not in self.known:
                     new_ids[rid] = manager.get_block_ids(rid)
-                    known.add(rid)
-                elif rid not in step_ids:  # re-admitted after preemption: all its blocks
+                    self.known.add(rid)
+                elif rid not in self.step_ids:  # re-admitted after preemption: all its blocks
                     cached_ids[rid] = manager.get_block_ids(rid)
                     resumed.add(rid)
                 else:
-                    cached_ids[rid] = step_ids[rid]
-            done, loaded_bytes = offload.step(new_ids, cached_ids, resumed, dict(scheduled), preempted_ids)
-            step_ids.clear()
-            preempted_ids.clear()
+                    cached_ids[rid] = self.step_ids[rid]
+            done, loaded_bytes = offload.step(new_ids, cached_ids, resumed, dict(scheduled), self.preempted_ids)
+            self.step_ids.clear()
+            self.preempted_ids.clear()
             for rid in done:
                 waiting.appendleft(loading.pop(rid))
         transfers = bool(loading) or (offload is not None and (offload.busy or bool(done)))
         for rid in host_loaded:
             waiting.appendleft(loading.pop(rid))
-        stalled = 0 if scheduled or transfers else stalled + 1
-        if stalled and stalled <= len(waiting) and (offload is not None or host is not None):
+        self.stalled = 0 if scheduled or transfers else self.stalled + 1
+        if self.stalled and self.stalled <= len(waiting) and (offload is not None or host is not None):
             # Loaded requests hold their blocks; one behind a request that cannot fit, with
             # nothing running, would wait forever: it goes first (a stall that outlasts the
             # queue is a deadlock, reported below).
@@ -565,87 +638,119 @@ def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayReque
         if not scheduled and not transfers:
             req = waiting[0]
             raise ValueError(
-                f"{kv_gib} GiB ({num_blocks} blocks) cannot hold request {req.request_id} "
+                f"{self.kv_gib} GiB ({self.num_blocks} blocks) cannot hold request {req.request_id} "
                 f"({req.num_tokens} tokens) even with nothing else running"
             )
-        if step_budget is not None:
-            step_budget.record(limit, full_budget, sum(scheduled.values()))
+        if self.step_budget is not None:
+            self.step_budget.record(limit, full_budget, sum(scheduled.values()))
         held = manager.held_pages() if is_sglang else _held_blocks(manager, is_mimo)
         for pool, blocks_held in held.items():
-            peak[pool] = max(peak.get(pool, 0), blocks_held)
+            self.peak[pool] = max(self.peak.get(pool, 0), blocks_held)
         if not is_mimo and not is_sglang:  # the plugin's manager counts its own (`KVManagerMetrics`)
             for rid, n in scheduled.items():
                 if n > 1:
                     swa_held = _upstream_swa_blocks(manager, rid)
                     result.peak_swa_blocks_per_request = max(result.peak_swa_blocks_per_request, swa_held)
-        prefill_tokens = sum(n for rid, n in scheduled.items() if in_prefill[rid])
+        prefill_tokens = sum(n for rid, n in scheduled.items() if self.in_prefill[rid])
         result.recomputed_prefill_tokens += prefill_tokens
-        now += params.decode_s_per_step + prefill_tokens * params.prefill_s_per_token + loaded_bytes / (params.host_gbps * 1e9)
+        self.now = now = now + self.step_seconds(prefill_tokens, loaded_bytes)
         if host is not None:
             manager.cache.take_stores()  # device-to-host copies run beside the steps: counted, not timed
-        by_id = {req.request_id: req for req in running}
+        return self._advance(scheduled, now)
+
+    def _advance(self, scheduled: dict[str, int], now: float) -> list[str]:
+        """The step's forward is done at `now`: computed tokens, first tokens, decoded tokens and
+        finished requests (their ids)."""
+        from vllm_mimo.compat import RequestStatus
+
+        by_id = {req.request_id: req for req in self.running}
+        done = []
         for rid, n in scheduled.items():
             req = by_id[rid]
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that did not reach the end
-            in_prefill[rid] = False
-            first_token = result.first_tokens[rid]
+            self.in_prefill[rid] = False
+            first_token = self.result.first_tokens[rid]
             if not first_token.ttft_s:  # a re-prefill after preemption is not a first token
                 first_token.ttft_s = now - first_token.arrival_s
-            out = outputs[rid]
+            out = self.outputs[rid]
             req.append_output_token_ids(out[req.num_output_tokens])
             if req.num_output_tokens >= len(out):
                 req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                if offload is not None:
-                    offload.finished(req)
-                call("free", req)
-                running.remove(req)
-                finished += 1
-                for i in next_turns.pop(rid, ()):
-                    heapq.heappush(pending, (max(requests[i].arrival_s, now), i))
+                if self.offload is not None:
+                    self.offload.finished(req)
+                self.call("free", req)
+                self.running.remove(req)
+                self.finished += 1
+                done.append(rid)
+        return done
+
+    def finish(self) -> RunResult:
+        """The run's result, once nothing is left to send, wait, run or load."""
+        manager, result, host = self.manager, self.result, self.host
+        if self.is_sglang:
+            manager.check_idle()
+        if self.is_mimo:
+            m = manager.metrics
+            result.full_hit_tokens = m.full_cached_tokens
+            result.pseudo_hit_tokens = m.pseudo_hit_tokens
+            assert m.hit_tokens == result.hit_tokens + result.failed_load_tokens, (m.hit_tokens, result.hit_tokens)
+            result.anchors = {"kept": dict(m.anchors_placed), "evicted": dict(m.anchors_evicted)}
+            result.prefill_steps_cut = self.step_budget.steps_cut if self.step_budget is not None else 0
+            result.peak_swa_blocks_per_request = m.peak_swa_blocks_per_request
+            result.peak_anchor_window_blocks_per_request = m.peak_anchor_window_blocks_per_request
+        if self.offload is not None:
+            result.host_bytes_stored, result.host_bytes_loaded = self.offload.bytes_stored, self.offload.bytes_loaded
+            result.host_restored_tokens = self.offload.restored_tokens
+        if host is not None:
+            full_bytes, swa_bytes = self.position_pages[0] * self.block_bytes, self.position_pages[1] * self.block_bytes
+            stats = host.stats
+            result.host_bytes_stored = stats.stored_full * full_bytes + stats.stored_swa * swa_bytes
+            result.host_bytes_loaded = stats.loaded_full * full_bytes + stats.loaded_swa * swa_bytes
+            result.host_restored_tokens = stats.hit_tokens
+            if stats.stored_anchors:
+                result.host_swa_tokens_per_anchor = stats.stored_swa * manager.block_size / stats.stored_anchors
+        result.peak_blocks = self.peak
+        result.mean_us_per_call = 1e6 * self.call.seconds / max(self.call.calls, 1)
+        result.sim_seconds = self.now
+        if result.first_tokens:
+            first = sorted(t.ttft_s for t in result.first_tokens.values())
+            result.ttft_mean_s = sum(first) / len(first)
+            result.ttft_p90_s = first[int(0.9 * (len(first) - 1))]
+        result.wall_seconds = time.perf_counter() - self.wall0
+        return result
+
+
+def simulate(engine: str, layout: str, kv_gib: float, requests: list[ReplayRequest], ideal: list[int],
+             params: SimParams, progress: bool = True, mimo_factory: Callable | None = None,
+             on_step: Callable[[], None] | None = None) -> RunResult:
+    """Replay `requests` through one engine at one budget. `mimo_factory`: see `make_manager`;
+    `on_step`: called after every simulated step."""
+    sim = EngineReplay(engine, layout, kv_gib, requests, ideal, params, mimo_factory)
+    arrivals = Arrivals(requests, params.closed_loop)
+    last_report = 0.0
+    while arrivals or sim.busy:
+        while arrivals and arrivals.next_s <= sim.now:
+            sent_s, i = arrivals.pop()
+            sim.enqueue(sim.make_request(i, sent_s))
+        if not sim.busy:
+            sim.now = arrivals.next_s
+            continue
+        for rid in sim.step():
+            arrivals.finished(rid, sim.now)
         if on_step is not None:
             on_step()
         if progress and time.perf_counter() - last_report > 5:
             last_report = time.perf_counter()
             print(
-                f"\r  {engine:<22} {kv_gib:>7.2f} GiB  {finished}/{len(requests)} done  "
-                f"sim {now:8.1f}s  wall {last_report - wall0:6.1f}s",
+                f"\r  {engine:<22} {kv_gib:>7.2f} GiB  {sim.finished}/{len(requests)} done  "
+                f"sim {sim.now:8.1f}s  wall {last_report - sim.wall0:6.1f}s",
                 end="", file=sys.stderr, flush=True,
             )
     if progress:
         print("\r" + " " * 90 + "\r", end="", file=sys.stderr)
-    if is_sglang:
-        manager.check_idle()
-    if is_mimo:
-        m = manager.metrics
-        result.full_hit_tokens = m.full_cached_tokens
-        result.pseudo_hit_tokens = m.pseudo_hit_tokens
-        assert m.hit_tokens == result.hit_tokens, (m.hit_tokens, result.hit_tokens)
-        result.anchors = {"kept": dict(m.anchors_placed), "evicted": dict(m.anchors_evicted)}
-        result.prefill_steps_cut = step_budget.steps_cut if step_budget is not None else 0
-        result.peak_swa_blocks_per_request = m.peak_swa_blocks_per_request
-        result.peak_anchor_window_blocks_per_request = m.peak_anchor_window_blocks_per_request
-    if offload is not None:
-        result.host_bytes_stored, result.host_bytes_loaded = offload.bytes_stored, offload.bytes_loaded
-        result.host_restored_tokens = offload.restored_tokens
-    if host is not None:
-        full_bytes, swa_bytes = position_pages[0] * block_bytes, position_pages[1] * block_bytes
-        stats = host.stats
-        result.host_bytes_stored = stats.stored_full * full_bytes + stats.stored_swa * swa_bytes
-        result.host_bytes_loaded = stats.loaded_full * full_bytes + stats.loaded_swa * swa_bytes
-        result.host_restored_tokens = stats.hit_tokens
-        if stats.stored_anchors:
-            result.host_swa_tokens_per_anchor = stats.stored_swa * manager.block_size / stats.stored_anchors
-    result.peak_blocks = peak
-    result.mean_us_per_call = 1e6 * call.seconds / max(call.calls, 1)
-    result.sim_seconds = now
-    if result.first_tokens:
-        first = sorted(t.ttft_s for t in result.first_tokens.values())
-        result.ttft_mean_s = sum(first) / len(first)
-        result.ttft_p90_s = first[int(0.9 * (len(first) - 1))]
-    result.wall_seconds = time.perf_counter() - wall0
-    return result
+    return sim.finish()
 
 
 def _held_blocks(manager, is_mimo: bool) -> dict[str, int]:

@@ -49,6 +49,7 @@ NOTES = (
     ("lookahead.md", "the queue look-ahead and its depth"),
     ("sglang-peer.md", "SGLang in the replay: what is its code and what is the loop's"),
     ("host-tier.md", "what the host tier stores and loads"),
+    ("cluster.md", "a cluster behind a router: routers, L3, the single-instance ideal"),
     ("window-local.md", "window-local SWA attention and the prefill defaults"),
     ("mtp.md", "all three MTP layers as the drafter, warm and cold"),
     ("served.md", "served runs, the soak, exactness and test lanes"),
@@ -256,6 +257,53 @@ def host_section(results: Path) -> Section:
         *_host_table(results),
     ]
     return Section("Host tier", lines)
+
+
+# --- a cluster behind a router -------------------------------------------------------------
+
+CLUSTER_SOURCES = ("mooncake-conversation", "mixed")
+"""`cluster-<source>.json` of `eval.replay_cluster`, in the page's order."""
+
+
+def _cluster_table(data: dict) -> list[str]:
+    rows = [
+        [
+            str(run["instances"]), run["router"], "on" if run["l3"] else "off", f"{run['hit_tokens']:,}",
+            _x(run["of_single_instance"], 3), _x(run["of_clairvoyant"], 3), f"{run['l3_hit_tokens']:,}",
+            _x(run["l3_bytes_put"] / 1e9, 1), _x(run["l3_bytes_got"] / 1e9, 1), _x(run["ttft_mean_s"]), _x(run["ttft_p90_s"]),
+        ]
+        for run in data["runs"]
+    ]
+    return _table(
+        ["N", "router", "L3", "hit tokens", "÷ single instance", "÷ infinite cache", "L3 hit tokens", "L3 put GB",
+         "L3 got GB", "TTFT s", "p90"],
+        rows, "rllrrrrrrrr",
+    )
+
+
+def cluster_section(results: Path) -> Section:
+    lines = [
+        "N plugin instances with host tiers behind a router, optionally sharing an L3 store, on one simulated",
+        "clock (`eval.replay_cluster`). The single instance is one instance with all N instances' device and host",
+        "memory (and the same L3) serving all the traffic: the hits a router could at best keep. Why:",
+        "[notes/cluster.md](notes/cluster.md).",
+    ]
+    for source in CLUSTER_SOURCES:
+        data = _load(results, f"cluster-{source}.json")
+        first = data["runs"][0]
+        lines += [
+            "",
+            f"**{source}** ({first['requests']:,} requests; per instance {first['kv_gib']:g} GiB device + "
+            f"{first['host_gib']:g} GiB host; L3 {data['l3_gib']:g} GiB at {data['l3_gbps']:g} GB/s; "
+            f"kv-aware load weight {data['load_weight']:g}):",
+            "",
+            *_commands(*data["commands"]),
+            *(["", "The later commands' rows replace the first's of the same router or join them (`kv-aware-active`:",
+                "`--load active`; `-w0.25`: `--load-weight 0.25`)."] if len(data["commands"]) > 1 else []),
+            "",
+            *_cluster_table(data),
+        ]
+    return Section("A cluster behind a router", lines)
 
 
 # --- window-local SWA attention ----------------------------------------------------------------
@@ -664,6 +712,7 @@ def sections(results: Path = RESULTS) -> list[Section]:
         glance_section(results),
         replay_section(results),
         host_section(results),
+        cluster_section(results),
         window_local_section(results),
         mtp_section(results),
         served_section(results),

@@ -3,6 +3,9 @@ helpers the manager tests share (a manager, a request run through it, a path of 
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from typing import Any
+
 import torch
 
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
@@ -105,6 +108,34 @@ def run(manager, request, output: list[int], chunk: int = 10_000) -> int:
     return hit
 
 
+def run_with_host(m, request, output: list[int]) -> tuple[int, int, Any]:
+    """Admit with the host tier's extension, load (the plan handed back as the connector does,
+    failed if it is), prefill, decode `output`, finish, one step per allocation (each step's
+    stores and puts taken); returns (device hit, external tokens, the load plan or None)."""
+    blocks, hit, _ = m.get_computed_blocks(request)
+    external = m.host_extension(request)
+    assert m.allocate_slots(request, request.num_tokens - hit - external, hit, blocks,
+                            num_external_computed_tokens=external) is not None
+    m.cache.take_stores()
+    m.cache.take_puts()
+    plan = m.cache.take_load(request.request_id)
+    if plan is not None:
+        m.check_integrity()  # scratch pages and held nodes accounted for
+        m.cache.finish_load(plan, failed=plan.failed)
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = request.num_tokens
+    for token in output:
+        request.append_output_token_ids(token)
+        assert m.allocate_slots(request, 1) is not None
+        m.cache.take_stores()
+        m.cache.take_puts()
+        request.num_computed_tokens += 1
+    request.status = RequestStatus.FINISHED_STOPPED
+    m.free(request)
+    m.check_integrity()
+    return hit, external, plan
+
+
 def chain(tree: PrefixTree, n: int, swa: set[int] | None = None, prefix: str = "h") -> list[Node]:
     """A path of `n` nodes below the root, hashes `{prefix}0`...: Full blocks 100, 101, ... by
     depth, SWA blocks 200, 201, ... on the depths in `swa` (on all of them when None)."""
@@ -129,3 +160,24 @@ def prometheus_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
         for family in metrics.MimoCollector().collect()
         for s in family.samples
     }
+
+
+class DictL3:
+    """An `L3Index` (`vllm_mimo.block_manager.l3`) over a set of keys: what the worker would
+    have put."""
+
+    def __init__(self) -> None:
+        self.keys: set[Hashable] = set()
+        self.got_keys: list[Hashable] = []
+
+    def key(self, kind: str, index: int, block_hash: Any) -> Hashable:
+        return (kind, index, block_hash)
+
+    def contains(self, keys: Sequence[Hashable]) -> list[bool]:
+        return [k in self.keys for k in keys]
+
+    def put(self, keys: Sequence[Hashable]) -> None:
+        self.keys.update(keys)
+
+    def got(self, keys: Sequence[Hashable]) -> None:
+        self.got_keys.extend(keys)

@@ -12,6 +12,8 @@ Reads a JSON job on stdin:
             added to the engine at its k-th step (0: before the first), with vLLM's priority;
             the engine is stepped until all are done: {"script": {index: {"ids", "cached"}}}
   record_block_ids: true to report every block id the worker's KV groups received
+  linger:   a file path (optional): after the RESULT line, stay up (engine and all) until that
+            file exists, 600 s at most (a test's second instance reads what this one holds)
   patch:    "module:function" called before the engine starts (a negative control's change to
             the plugin; it reaches the engine core when that runs in this process,
             VLLM_ENABLE_V1_MULTIPROCESSING=0, as tests.conftest.run_engine starts it)
@@ -153,6 +155,13 @@ def main() -> None:
         ),
         flush=True,
     )
+    if job.get("linger"):
+        import time
+        from pathlib import Path
+
+        deadline = time.monotonic() + 600
+        while not Path(job["linger"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":

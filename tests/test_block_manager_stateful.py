@@ -30,7 +30,7 @@ from hypothesis.stateful import (
 )
 
 from eval.host_dense import DenseHostTier
-from tests.kv_helpers import BLOCK, kv_config, make_request
+from tests.kv_helpers import BLOCK, DictL3, kv_config, make_request
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.block_manager.host_tier import HostTier
 from vllm_mimo.compat import RequestStatus
@@ -48,6 +48,7 @@ class Counted:
     steps = 0
     checks = 0
     host_loads = 0  # admissions whose hit the host tier extended
+    l3_loads = 0  # those that read from L3
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -62,10 +63,12 @@ class ManagerMachine(RuleBasedStateMachine):
         # the host tier: none, one that fills at once, one that holds much more than the device
         host_pages=st.sampled_from([0, 0, 24, 400]),
         host_dense=st.booleans(),
+        # an L3 behind the host tier (keys only: the policy's side)
+        l3=st.booleans(),
     )
     def setup(
         self, num_blocks: int, budget: float, grid: int, eagle: bool, block_sizes: tuple[int, int], window_local: bool,
-        host_pages: int, host_dense: bool,
+        host_pages: int, host_dense: bool, l3: bool,
     ) -> None:
         config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid)
         full_block, swa_block = block_sizes
@@ -73,6 +76,7 @@ class ManagerMachine(RuleBasedStateMachine):
             kv_config(num_blocks, window=WINDOW, full_block=full_block, swa_block=swa_block), 4096,
             max(block_sizes), BLOCK, max_num_running=3, mimo_config=config, use_eagle=eagle,
             window_local=window_local, host_pages=host_pages, host_tier=DenseHostTier if host_dense else HostTier,
+            l3=DictL3() if l3 else None,
         )
         self.waiting: list = []
         self.running: list = []
@@ -119,15 +123,20 @@ class ManagerMachine(RuleBasedStateMachine):
         self._handed_out(new)
         plan = self.m.cache.take_load(req.request_id)
         assert (plan is not None) == (external > 0), (external, plan)
+        recomputed = False
         if plan is not None:
             Counted.host_loads += 1
+            Counted.l3_loads += bool(plan.fetches)
             self._check_load(req, hit, external, plan)
-            self.m.cache.finish_load(plan)
-            self.written.update(i for copy in [*plan.full, *plan.swa] for i in copy.device)
+            self.m.cache.finish_load(plan, failed=plan.failed)
+            if plan.failed:  # vLLM's recompute policy: the forward writes the positions instead
+                recomputed = True
+            else:
+                self.written.update(i for copy in [*plan.full, *plan.swa] for i in copy.device)
         self.waiting.pop(0)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = hit + external + n
-        self._computed(req, hit + external)
+        self._computed(req, hit if recomputed else hit + external)
         self.running.append(req)
 
     @precondition(lambda self: self.running)
@@ -168,6 +177,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert isinstance(self.m.cache.host, DenseHostTier) and kind == "swa", (kind, copy)
                 continue
             assert copy.host and len(self.m.host_copies(kind, copy)) == len(copy.host) == len(copy.device), (kind, copy)
+        l3 = self.m.cache.host.l3 if self.m.cache.host is not None else None
+        for put in self.m.cache.take_puts():
+            assert l3 is not None and len(put.keys) == len(put.host) and set(put.keys) <= l3.keys, put
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 10))
@@ -278,8 +290,11 @@ class ManagerMachine(RuleBasedStateMachine):
         swa_ids = [tuple(i for gid in geo.swa_group_ids for i in ids[gid][p * geo.blocks_per_position(gid) : (p + 1) * geo.blocks_per_position(gid)]) for p in range(end)]  # noqa: E501
         assert [c.device for c in plan.swa] == swa_ids[max(start, end - geo.window_blocks) : end]
         assert [c.device for c in plan.full] == full_ids[end - len(plan.full) : end]
+        assert not plan.failed or not plan.fetches
+        fetched = [page for fetch in plan.fetches for page in fetch.host]
+        assert len(fetched) == len(set(fetched)) == len(plan.scratch), plan
         for copy in [*plan.full, *plan.swa]:
-            assert copy.host and 0 not in copy.device, copy
+            assert (copy.host or plan.failed) and 0 not in copy.device, copy
 
     def _check_window_safe(self, req, blocks, hit: int) -> None:
         """A reported hit has, at every position, the Full blocks of the tree's node there, and
@@ -333,6 +348,7 @@ def test_stateful_at_scale() -> None:
             print(f"[stateful] {Counted.calls - start:,} of {target:,} manager calls, "
                   f"{time.time() - t0:.0f} s", flush=True)
     print(f"[stateful] done: {Counted.calls - start:,} manager calls, {Counted.steps:,} steps, "
-          f"{Counted.checks:,} invariant checks, {Counted.host_loads:,} loads from the host tier, "
+          f"{Counted.checks:,} invariant checks, {Counted.host_loads:,} loads from the host tier "
+          f"({Counted.l3_loads:,} through L3), "
           f"0 violations, in {runs} Hypothesis runs, "
           f"{time.time() - t0:.0f} s")

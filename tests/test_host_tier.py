@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from eval.host_dense import DenseHostTier
-from tests.kv_helpers import BLOCK, kv_config, make_request, manager, prometheus_samples
+from tests.kv_helpers import BLOCK, kv_config, make_request, manager, prometheus_samples, run_with_host
 from vllm_mimo.block_manager.adapter import HybridKVCacheManager
 from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
 from vllm_mimo.block_manager.host_tier import HostTier, host_full
@@ -24,27 +24,8 @@ def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False
 
 
 def _run(manager, request, output: list[int]) -> tuple[int, int]:
-    """Admit (with the host's extension), prefill, decode `output`, finish, one step per
-    allocation (the connector takes each step's stores); returns (device hit, external tokens)."""
-    blocks, hit, _ = manager.get_computed_blocks(request)
-    external = manager.host_extension(request)
-    assert manager.allocate_slots(request, request.num_tokens - hit - external, hit, blocks,
-                                  num_external_computed_tokens=external) is not None
-    manager.cache.take_stores()
-    plan = manager.cache.take_load(request.request_id)
-    if plan is not None:
-        manager.check_integrity()  # the plan's nodes are held
-        manager.cache.finish_load(plan)
-    request.status = RequestStatus.RUNNING
-    request.num_computed_tokens = request.num_tokens
-    for token in output:
-        request.append_output_token_ids(token)
-        assert manager.allocate_slots(request, 1) is not None
-        manager.cache.take_stores()
-        request.num_computed_tokens += 1
-    request.status = RequestStatus.FINISHED_STOPPED
-    manager.free(request)
-    manager.check_integrity()
+    """`kv_helpers.run_with_host`: (device hit, external tokens)."""
+    hit, external, _ = run_with_host(manager, request, output)
     return hit, external
 
 

@@ -156,6 +156,16 @@ _LAZY = {
     "SupportsHMA": ("vllm.distributed.kv_transfer.kv_connector.v1.base", "SupportsHMA"),
     "KVConnectorOutput": ("vllm.v1.outputs", "KVConnectorOutput"),
     "KVTransferConfig": ("vllm.config", "KVTransferConfig"),
+    "get_tensor_model_parallel_rank": ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank"),
+    # KV cache events (vllm_mimo.block_manager.kv_events): built only with --kv-events-config.
+    "BlockStored": ("vllm.distributed.kv_events", "BlockStored"),
+    "BlockRemoved": ("vllm.distributed.kv_events", "BlockRemoved"),
+    "AllBlocksCleared": ("vllm.distributed.kv_events", "AllBlocksCleared"),
+    "maybe_convert_block_hash": ("vllm.v1.core.kv_cache_utils", "maybe_convert_block_hash"),
+    "generate_block_hash_extra_keys": ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys"),
+    "to_event_extra_keys": ("vllm.v1.core.kv_cache_utils", "to_event_extra_keys"),
+    "get_kv_cache_spec_kind": ("vllm.v1.kv_cache_interface", "get_kv_cache_spec_kind"),
+    "get_kv_cache_spec_sliding_window": ("vllm.v1.kv_cache_interface", "get_kv_cache_spec_sliding_window"),
     "custom_ops": ("vllm._custom_ops", None),
     "vllm_envs": ("vllm.envs", None),
 }

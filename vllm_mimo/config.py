@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_mimo.offload.mooncake_store import L3Settings
 
 ENV_PREFIX = "VLLM_MIMO_"
 ADDITIONAL_CONFIG_KEY = "mimo"
@@ -36,8 +39,47 @@ class MimoConfigError(ValueError):
 
 
 def _key(help: str, **limits: Any) -> dict[str, Any]:
-    """Field metadata: a one-line help text and optional `min`/`max`/`choices` limits."""
+    """Field metadata: a one-line help text and optional `min`/`max`/`choices` limits, a
+    `check(value) -> error | None` for formats, and `allowed`, the limits in words."""
     return {"help": help, **limits}
+
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+"""Mooncake's metadata mode with no metadata server: clients hand each other their descriptors."""
+L3_MIN_GIB = 1 / 64
+"""Mooncake refuses a global segment under 16 MiB."""
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`) as (host, port); ValueError if it is not one."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port (port 1..65535)")
+    return host, int(port)
+
+
+def metadata_address(metadata: str) -> tuple[str, int] | None:
+    """Mooncake's metadata service as (host, port), None for P2PHANDSHAKE; ValueError if malformed."""
+    if metadata == P2P_HANDSHAKE:
+        return None
+    scheme, sep, rest = metadata.partition("://")
+    if not sep or scheme not in ("http", "etcd", "redis"):
+        raise ValueError(f"{metadata!r} is neither {P2P_HANDSHAKE} nor an http://, etcd:// or redis:// host:port")
+    return split_address(rest.split("/", 1)[0])
+
+
+def _format_error(parse: Callable[[str], Any]) -> Callable[[str], str | None]:
+    """A field's `check` from a parser that raises ValueError."""
+
+    def check(value: str) -> str | None:
+        try:
+            parse(value)
+        except ValueError:
+            return "is malformed"
+        return None
+
+    return check
 
 
 @dataclass(frozen=True)
@@ -151,6 +193,38 @@ class MimoConfig:
             max=1_048_576.0,
         ),
     )
+    l3_master: str = field(
+        default="",
+        metadata=_key(
+            "host:port of the Mooncake Store master for a third KV tier (L3) shared by every "
+            "engine that names it: host pages go there too and later hits on any engine load "
+            'them back from it. Needs the host tier (host_tier_gib). "": no L3.',
+            allowed='"" or host:port',
+            check=_format_error(lambda v: v and split_address(v)),
+        ),
+    )
+    l3_metadata: str = field(
+        default=P2P_HANDSHAKE,
+        metadata=_key(
+            "How Mooncake clients find each other's memory: P2PHANDSHAKE (directly, no metadata "
+            "server) or a metadata service's http://host:port/metadata, etcd://host:port or "
+            "redis://host:port.",
+            allowed="P2PHANDSHAKE or http://, etcd://, redis:// host:port",
+            check=_format_error(metadata_address),
+        ),
+    )
+    l3_gib: float = field(
+        default=0.0,
+        metadata=_key(
+            "GiB of host memory each worker (tensor-parallel rank) contributes to the Mooncake "
+            "Store (on top of host_tier_gib); at least 1/64 (Mooncake's 16 MiB segment minimum). "
+            "0: it uses the store and gives it none.",
+            min=0.0,
+            max=1_048_576.0,
+            allowed="0 or 0.015625 <= value <= 1048576.0",
+            check=lambda v: None if v == 0 or v >= L3_MIN_GIB else "is below Mooncake's 16 MiB segment minimum",
+        ),
+    )
     queue_lookahead_requests: int = field(
         default=1024,
         metadata=_key(
@@ -190,6 +264,26 @@ class MimoConfig:
             "raised.",
         ),
     )
+
+    def __post_init__(self) -> None:
+        """Rules between keys (each key's own are checked as it is read)."""
+        if self.l3_master and not self.host_tier_gib:
+            raise MimoConfigError(
+                f"l3_master={self.l3_master!r} needs the host tier, but host_tier_gib=0; set "
+                "host_tier_gib > 0 (the L3's pages pass through it) or l3_master to \"\""
+            )
+        defaults = MimoConfig.keys()
+        stray = [f"{k}={getattr(self, k)!r}" for k in ("l3_gib", "l3_metadata") if getattr(self, k) != defaults[k].default]
+        if stray and not self.l3_master:
+            raise MimoConfigError(f'{" and ".join(stray)}: there is no L3 (l3_master=""); set l3_master or drop them')
+
+    def l3_settings(self) -> L3Settings | None:
+        """The L3's settings, None without one (`l3_master` empty)."""
+        if not self.l3_master:
+            return None
+        from vllm_mimo.offload.mooncake_store import L3Settings
+
+        return L3Settings(master=self.l3_master, metadata=self.l3_metadata, gib=self.l3_gib)
 
     @classmethod
     def keys(cls) -> dict[str, dataclasses.Field]:
@@ -308,10 +402,15 @@ def _check_value(f: dataclasses.Field, value: Any, source: str) -> Any:
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         raise MimoConfigError(f"{source}={value!r} is not allowed; allowed: {_limits(meta)}")
+    error = meta["check"](value) if "check" in meta else None
+    if error:
+        raise MimoConfigError(f"{source}={value!r} {error}; allowed: {_limits(meta)}")
     return value
 
 
 def _limits(meta: Mapping[str, Any]) -> str:
+    if "allowed" in meta:
+        return str(meta["allowed"])
     if "choices" in meta:
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
     lo, hi = meta.get("min"), meta.get("max")

@@ -109,6 +109,13 @@ _HOST_METRICS = (  # (snapshot key, help, counter or gauge): set in MimoCollecto
     ("swapped_in_tokens", "Tokens of preempted requests' hits loaded from the host tier.", "counter"),
     ("pages", "Host tier pages (each one device block of one KV cache group's layers).", "gauge"),
     ("used_pages", "Host tier pages in use.", "gauge"),
+    ("l3_hit_tokens", "Prompt tokens of hits loaded from L3 (part of host_hit_tokens).", "counter"),
+    ("l3_put_bytes", "Bytes the host tier demoted to L3.", "counter"),
+    ("l3_fetched_bytes", "Bytes read from L3 for loads.", "counter"),
+    ("l3_failed_fetches", "Loads whose reads from L3 missed or came back short (recomputed).", "counter"),
+    ("l3_failed_puts", "Host pages not put to L3 (a failed store's page, or the store refused it).", "counter"),
+    ("l3_short_loads", "Loads from L3 the host had no free pages for (recomputed).", "counter"),
+    ("l3_on", "1 while the L3 tier is on (the store reached at startup, by scheduler and workers).", "gauge"),
 )
 
 

@@ -16,6 +16,8 @@ from vllm_mimo.block_manager.base import AnchorPolicy, CacheObserver
 from vllm_mimo.block_manager.cache import HybridKVCache
 from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cdiv
 from vllm_mimo.block_manager.host_tier import Copy, HostTier
+from vllm_mimo.block_manager.kv_events import KVEventRecorder
+from vllm_mimo.block_manager.l3 import L3Index
 from vllm_mimo.block_manager.metrics import KVManagerMetrics
 from vllm_mimo.block_manager.placement import AnchorPlacement
 from vllm_mimo.block_manager.prefix_tree import Blocks
@@ -78,6 +80,8 @@ class HybridKVCacheManager:
         host_pages: int = 0,
         anchor_policy: Callable[..., AnchorPolicy] = AnchorPlacement,
         host_tier: Callable[..., HostTier] = HostTier,
+        l3: L3Index | None = None,
+        enable_kv_cache_events: bool = False,
         **_vllm_kwargs: Any,
     ) -> None:
         """`kv_blocks`: vLLM's block objects for ids 0..N-1 to reuse (block 0 the null block);
@@ -86,7 +90,10 @@ class HybridKVCacheManager:
         `window_local`: the SWA groups' attention is window-local (`HybridKVCache`);
         `host_pages`: the host tier (`HybridKVCache`; in the engine the plugin's connector,
         `vllm_mimo.offload`, moves the bytes);
-        `anchor_policy`, `host_tier`: what builds them (`HybridKVCache`)."""
+        `anchor_policy`, `host_tier`: what builds them (`HybridKVCache`);
+        `l3`: the shared store behind the host tier (`vllm_mimo.block_manager.l3`; in the engine
+        the connector sets it once it has reached the store: `HostTier.l3`);
+        `enable_kv_cache_events`: record vLLM's KV cache events (`kv_events`, `take_events`)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
             raise UnsupportedKVLayout(
@@ -106,6 +113,7 @@ class HybridKVCacheManager:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.metrics = KVManagerMetrics(block_size=geometry.block_size)
+        self.events = KVEventRecorder(kv_cache_config, geometry, hash_block_size) if enable_kv_cache_events else None
         self.cache = HybridKVCache(
             geometry,
             max_model_len,
@@ -114,11 +122,12 @@ class HybridKVCacheManager:
             enable_caching=enable_caching,
             use_eagle=use_eagle,
             max_num_running=max_num_running,
-            observers=(self.metrics, *observers),
+            observers=(self.metrics, *observers, *([self.events] if self.events is not None else [])),
             window_local=window_local,
             host_pages=host_pages,
             anchor_policy=anchor_policy,
             host_tier=host_tier,
+            l3=l3,
         )
         self.geometry = geometry
         self.kv_cache_config = kv_cache_config
@@ -322,13 +331,22 @@ class HybridKVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
-    # Channels the plugin's cache never uses: cascade attention's common prefix, KV events,
-    # copy-on-write copies, block zeroing, Mamba boundary states. The scheduler drains them.
+    def take_events(self) -> list:
+        """vLLM's KV cache events since the last call (none unless `enable_kv_cache_events`)."""
+        return self.events.take_events() if self.events is not None else []
+
+    def held_block_hashes(self) -> dict[tuple[int, str], set]:
+        """What a subscriber replaying `take_events` holds, read from the cache itself: the
+        hashes of the blocks held, per (KV cache group, medium) (a walk over the whole tree; for
+        tests). Needs `enable_kv_cache_events`."""
+        if self.events is None:
+            raise RuntimeError("KV cache events are off: build the manager with enable_kv_cache_events=True")
+        return self.events.held_block_hashes(self.cache.tree)
+
+    # Channels the plugin's cache never uses: cascade attention's common prefix, copy-on-write
+    # copies, block zeroing, Mamba boundary states. The scheduler drains them.
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * self.num_kv_cache_groups
-
-    def take_events(self) -> list:
-        return []
 
     def new_step_starts(self) -> None:
         pass

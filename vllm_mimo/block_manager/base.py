@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
 
 
+DEVICE = "GPU"
+"""The medium of device blocks in KV cache events: what vLLM's own manager reports for them on
+every platform (`vllm.distributed.kv_events.MEDIUM_GPU`)."""
+HOST = "CPU"
+"""The medium of the host tier's copies in KV cache events: what vLLM's CPU offloading reports
+(`MEDIUM_CPU`)."""
+L3 = "L3"
+"""The medium of pages the host tier put to the shared L3 store: stored events only. The store
+evicts on its own and tells no one, so no removal is published: a router reads L3 events as
+hints (the engine asks the store itself at each lookup)."""
+
+
 @dataclass(slots=True)
 class SizeInfo:
     """Where the block ids are (the null block is in none of these)."""
@@ -136,6 +148,21 @@ class CacheObserver:
         """Cached blocks of `pool` were freed: the Full leaves one eviction took, or an
         anchor's window."""
 
+    def caching(self, request: Any, start: int, end: int) -> None:
+        """Positions `start` to `end` of a running request are about to enter the tree (before
+        the `stored` events of the nodes they give blocks)."""
+
+    def stored(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
+        """These nodes now hold their KV of `pool` on `medium` (`DEVICE`: `Node.full_blocks` /
+        `swa_blocks` set; `HOST`: the host slot's `full` / `swa`). Each change of a node's KV
+        between held and not held is told once, as it happens, by `stored` or `removed`."""
+
+    def removed(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
+        """These nodes no longer hold their KV of `pool` on `medium`."""
+
+    def cleared(self) -> None:
+        """Every cached block on every medium was dropped (`KVCache.reset`)."""
+
 
 class Observers:
     """The subscribed observers' handlers, per event; a subscriber's handler is listed only
@@ -151,6 +178,10 @@ class Observers:
         "anchor_demoted",
         "anchor_evicted",
         "blocks_evicted",
+        "caching",
+        "stored",
+        "removed",
+        "cleared",
     )
 
     def __init__(self) -> None:
@@ -163,11 +194,25 @@ class Observers:
         self.anchor_demoted: list = []
         self.anchor_evicted: list = []
         self.blocks_evicted: list = []
+        self.caching: list = []
+        self.stored: list = []
+        self.removed: list = []
+        self.cleared: list = []
 
     def register(self, observer: CacheObserver) -> None:
         for event in self.EVENTS:
             if getattr(type(observer), event) is not getattr(CacheObserver, event):
                 getattr(self, event).append(getattr(observer, event))
+
+    def tell_stored(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
+        """`CacheObserver.stored`, from where the tree and the host tier set a node's KV."""
+        for stored in self.stored:
+            stored(nodes, pool, medium)
+
+    def tell_removed(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
+        """`CacheObserver.removed`, from where the tree and the host tier clear a node's KV."""
+        for removed in self.removed:
+            removed(nodes, pool, medium)
 
 
 class AnchorPolicy(CacheObserver, ABC):

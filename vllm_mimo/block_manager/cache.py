@@ -28,12 +28,13 @@ device (`_window_on_device`).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
 from vllm_mimo.block_manager.base import (
     ANCHOR_BUDGET,
+    DEVICE,
     AnchorPolicy,
     CacheObserver,
     EvictionCause,
@@ -44,7 +45,8 @@ from vllm_mimo.block_manager.base import (
     SizeInfo,
 )
 from vllm_mimo.block_manager.geometry import KVGeometry, cdiv
-from vllm_mimo.block_manager.host_tier import Copy, HostMatch, HostTier, LoadPlan
+from vllm_mimo.block_manager.host_tier import Copy, HostMatch, HostTier, L3Copy, LoadPlan
+from vllm_mimo.block_manager.l3 import L3Index
 from vllm_mimo.block_manager.placement import AnchorPlacement
 from vllm_mimo.block_manager.pools import BlockPools, Pool
 from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch, position_hashes
@@ -119,6 +121,7 @@ class HybridKVCache(KVCache):
         host_pages: int = 0,
         anchor_policy: Callable[..., AnchorPolicy] = AnchorPlacement,
         host_tier: Callable[..., HostTier] = HostTier,
+        l3: L3Index | None = None,
     ) -> None:
         self.geometry = geometry
         self.window_local = window_local
@@ -140,17 +143,17 @@ class HybridKVCache(KVCache):
             all_blocks if config.anchor_budget_fraction is None else int(config.anchor_budget_fraction * all_blocks)
         )
         self.pools = BlockPools(geometry.num_blocks, self._swa_pool_blocks(config, max_num_running))
-        self.tree = PrefixTree()
+        self._observers = Observers()
+        self.tree = PrefixTree(self._observers)
         self.host = (
             host_tier(
                 self.tree, host_pages, self._n_full, self._n_swa, self.window_blocks, self.block_size,
-                back_off=1 if use_eagle else 0,
+                back_off=1 if use_eagle else 0, l3=l3,
             )
             if host_pages
             else None
         )
         self.placement: AnchorPolicy = self._anchor_policy(config, anchor_policy)
-        self._observers = Observers()
         self.anchors = AnchorSet(
             self.anchor_window_blocks if self.window_blocks else 0,
             self.placement.starts_demoted,
@@ -262,6 +265,11 @@ class HybridKVCache(KVCache):
         called once per step, when its scheduling is done."""
         return self.host.take_stores() if self.host is not None else []
 
+    def take_puts(self) -> list[L3Copy]:
+        """The copies to L3 that host evictions since the last call need (`HostTier.take_puts`);
+        taken with `take_stores`."""
+        return self.host.take_puts() if self.host is not None else []
+
     # -------------------------------------------------------------- allocation
     #
     # `allocate` in steps: plan (`_plan_admission` or a running request's holdings, then
@@ -345,7 +353,7 @@ class HybridKVCache(KVCache):
                     f"request {request.request_id}: {external_tokens} external tokens passed in, but the host tier "
                     f"extends its hit of {hit_tokens} tokens by {0 if extended is None else (extended.blocks - hit) * bs}"
                 )
-            plan.extension = HostMatch(extended.path, hit, load_end)
+            plan.extension = replace(extended, blocks=load_end)
         return plan
 
     def _plan_blocks(self, request: Any, state: RequestBlocks | None, plan: _Plan, end: int, num_tokens: int) -> None:
@@ -527,6 +535,8 @@ class HybridKVCache(KVCache):
         if end <= start:
             return
         keys = block_hashes[(start + 1) * stride - 1 : end * stride : stride]
+        for caching in self._observers.caching:
+            caching(request, start, end)
         branched, anchored = self.tree.add_positions(state.nodes, keys, state.full, state.swa, start, self._tick)
         self.tree.share_swa(state.nodes, state.swa, max(state.swa_start, start - self.anchor_window_blocks), start)
         if self.host is not None:
@@ -639,6 +649,8 @@ class HybridKVCache(KVCache):
                     assert node.swa_refs == 1 and not node.anchor_refs, node
                     node.swa_refs = 0
                 node.swa_blocks = other  # the other request's reference replaces this one's
+                if other is None:
+                    self._observers.tell_removed((node,), Pool.SWA, DEVICE)
             if pos < state.num_cached and pos >= state.adopted_full and node.full_blocks is full[pos]:
                 other = self._own_copy(pos, node, Pool.FULL)
                 if other is None:
@@ -698,6 +710,8 @@ class HybridKVCache(KVCache):
             self.host.clear()
         assert not self.tree.nodes, "reset left nodes in the tree"
         self.tree.clear()
+        for cleared in self._observers.cleared:
+            cleared()
         return True
 
     # ----------------------------------------------------------------- eviction

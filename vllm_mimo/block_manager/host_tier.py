@@ -30,7 +30,16 @@ The rules, each written once here:
   * a store that does not fit once every evictable host anchor is gone is skipped: the anchor
     is dropped, as with no host tier;
   * a load reads the Full copies past what the request adopts from the device and the SWA
-    copies of the window before the load's end.
+    copies of the window before the load's end;
+  * with an L3 (`vllm_mimo.block_manager.l3`): what the host evicts to make room goes to L3
+    (the Full copies freed and the window's SWA copies), except pages whose store from the
+    device is still to be made this step and copies dropped by a failed load; a hit extends past
+    the host's Full copies into positions whose every Full page L3 holds, with the window before
+    its end on the host or in L3; L3 pages are read into host pages of the load's own, taken
+    like a store's (evicting host anchors), and freed when the load is done; a load without such
+    pages fails at once (`HostStats.l3_short_loads`); pages whose read failed are not offered
+    from L3 again until this tier puts them again (a store that holds a page but fails to read
+    it would otherwise have its request retry forever).
 
 Units: host *pages* of the device's block size in bytes. A position's Full copy takes one page
 per Full block id of a position, its SWA copy one page per SWA block id.
@@ -41,11 +50,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorState
+from vllm_mimo.block_manager.base import HOST, L3
+from vllm_mimo.block_manager.l3 import L3Index
+from vllm_mimo.block_manager.pools import Pool
 from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
 
 NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
@@ -62,6 +74,15 @@ class Copy:
 
     host: Blocks
     device: Blocks
+
+
+@dataclass(frozen=True, slots=True)
+class L3Copy:
+    """One position's KV of one pool moving between the host and L3: the store's `keys`, one
+    per host page of `host`."""
+
+    keys: tuple[Hashable, ...]
+    host: Blocks
 
 
 @dataclass
@@ -88,17 +109,30 @@ class HostStats:
     """Tokens up to preempted requests' resume anchors demoted to host (preemption as swap)."""
     swapped_in_tokens: int = 0
     """Tokens of preempted requests' hits loaded from host."""
+    l3_put_full: int = 0
+    l3_put_swa: int = 0
+    """Positions demoted to L3 as the host evicted them."""
+    l3_hit_tokens: int = 0
+    """Tokens of hits past the device's and the host's, loaded from L3 (part of `hit_tokens`)."""
+    l3_loaded_full: int = 0
+    l3_loaded_swa: int = 0
+    l3_short_loads: int = 0
+    """Loads from L3 for which the host had no free pages: failed at once, their requests recomputed."""
 
 
 @dataclass(frozen=True)
 class HostMatch:
     """A request's hit extended by the host: `path` its nodes from the start (device or host
     Full), `hit` the device's window-safe hit it extends and `blocks` the extended hit's end
-    (positions, >= `hit`)."""
+    (positions, >= `hit`). Past the host, from L3: the Full KV of positions `l3_from` on and
+    the SWA KV of positions `l3_swa`; `keys` the request's node keys."""
 
     path: list[Node]
     hit: int
     blocks: int
+    l3_from: int = 1 << 62
+    l3_swa: frozenset[int] = frozenset()
+    keys: Sequence[Any] = ()
 
 
 @dataclass
@@ -109,6 +143,12 @@ class LoadPlan:
     full: list[Copy] = field(default_factory=list)
     swa: list[Copy] = field(default_factory=list)
     held: list[Node] = field(default_factory=list)
+    fetches: list[L3Copy] = field(default_factory=list)
+    """Reads from L3 into host pages of the plan's own, made before `full` and `swa`."""
+    scratch: list[int] = field(default_factory=list)
+    """The host pages `fetches` fill, free again at `HostTier.finish_load`."""
+    failed: bool = False
+    """The host had no pages for `fetches`: the load fails without a copy (recompute)."""
 
 
 class HostAnchor:
@@ -177,6 +217,7 @@ class HostTier:
         block_size: int,
         *,
         back_off: int = 0,
+        l3: L3Index | None = None,
     ) -> None:
         if num_pages < 1 or full_pages < 1 or swa_pages < 1:
             raise ValueError(f"host pages ({num_pages}) and pages per position ({full_pages}, {swa_pages}) must be >= 1")
@@ -187,6 +228,7 @@ class HostTier:
         self.window_blocks = window_blocks
         self.block_size = block_size
         self.back_off = back_off
+        self.l3 = l3
         self.stats = HostStats()
         self._free: deque[int] = deque(range(num_pages))
         self._seq = itertools.count()
@@ -195,6 +237,11 @@ class HostTier:
         self._holds: dict[int, int] = {}  # id(node) -> planned loads holding it
         self._loads: dict[str, LoadPlan] = {}
         self._stores: list[tuple[str, Copy]] = []
+        self._puts: list[L3Copy] = []
+        self._store_pages: set[int] = set()  # host pages of `_stores`: not put to L3 before copied
+        self._to_l3 = False  # while evicting to make room: freed copies go to L3
+        self._scratch: set[int] = set()  # host pages of loads from L3 not finished yet
+        self._unreadable: set[Hashable] = set()  # L3 pages whose read failed (module docstring)
         # Nodes cached since the last `take_stores` (at schedule time, as vLLM caches blocks):
         # their KV is written by the coming forward, so an anchor on one is not stored yet.
         self._uncomputed: set[int] = set()
@@ -224,7 +271,14 @@ class HostTier:
         positions cached since, computed by that forward, may be stored from then on."""
         stores, self._stores = self._stores, []
         self._uncomputed.clear()
+        self._store_pages.clear()
         return stores
+
+    def take_puts(self) -> list[L3Copy]:
+        """The copies to L3 that evictions since the last call need (the worker makes them this
+        step, before the step's stores reuse the pages)."""
+        puts, self._puts = self._puts, []
+        return puts
 
     def demote(self, anchor: Anchor, tick: int) -> None:
         """The device evicts `anchor` (its window still attached): stored here unless the
@@ -256,11 +310,9 @@ class HostTier:
             pages = len(path) * self.full_pages + len(swa) * self.swa_pages
             if pages <= len(self._free):
                 break
-            victim = self._victim()
-            if victim is None:
+            if not self._make_room():
                 self.stats.skipped_stores += 1
                 return []
-            self.evict(victim)
         copies: list[tuple[str, Copy]] = []
         for n in reversed(path):  # top down: each parent holds a copy before its child
             assert n.full_blocks is not None, f"storing {n}: a live anchor's path has no device Full KV"
@@ -268,9 +320,12 @@ class HostTier:
             if n.parent is not None and n.parent.depth >= 0:
                 n.parent.host.children += 1
             copies.append(("full", Copy(pages_full, n.full_blocks)))
+        self.tree.observers.tell_stored(path[::-1], Pool.FULL, HOST)
         for w in swa:
             pages_swa = slot(w).swa = self._take(self.swa_pages)
             copies.append(("swa", Copy(pages_swa, w.swa_blocks or ())))
+        self.tree.observers.tell_stored(swa, Pool.SWA, HOST)
+        self._store_pages.update(page for _, c in copies for page in c.host)
         anchor = HostAnchor(node, list(window), tick)
         node.host.anchor = anchor
         self.cover(window)
@@ -297,12 +352,41 @@ class HostTier:
             s = w.host
             s.swa_refs -= 1
             if s.swa_refs == 0 and s.swa is not None:
-                self._free.extend(s.swa)
+                self._release(w, "swa", s.swa)
                 s.swa = None
                 self._vacate(w)
 
     def _take(self, count: int) -> Blocks:
         return tuple(self._free.popleft() for _ in range(count))
+
+    def _release(self, node: Node, kind: str, pages: Blocks) -> None:
+        """Free a node's host copy of `kind`, to L3 first while making room (module docstring)."""
+        self._free.extend(pages)
+        pool = Pool.FULL if kind == "full" else Pool.SWA
+        if self._to_l3 and self.l3 is not None and not self._store_pages.intersection(pages):
+            keys = tuple(self.l3.key(kind, i, node.block_hash) for i in range(len(pages)))
+            self._unreadable.difference_update(keys)
+            self.l3.put(keys)
+            self._puts.append(L3Copy(keys, pages))
+            self.tree.observers.tell_stored((node,), pool, L3)
+            if kind == "full":
+                self.stats.l3_put_full += 1
+            else:
+                self.stats.l3_put_swa += 1
+        self.tree.observers.tell_removed((node,), pool, HOST)
+
+    def _make_room(self) -> bool:
+        """Evict the least recently used host anchor nothing holds (to L3, if any); False if
+        there is none."""
+        victim = self._victim()
+        if victim is None:
+            return False
+        self._to_l3 = True
+        try:
+            self.evict(victim)
+        finally:
+            self._to_l3 = False
+        return True
 
     def _renew(self, anchor: HostAnchor, tick: int) -> None:
         anchor.tick = tick
@@ -350,7 +434,7 @@ class HostTier:
             s = node.host
             if s is None or s.full is None or s.children or s.anchor is not None:
                 return
-            self._free.extend(s.full)
+            self._release(node, "full", s.full)
             s.full = None
             self.full_freed(s)
             self._vacate(node)
@@ -384,10 +468,12 @@ class HostTier:
             node.host = None
         for node in nodes:
             self._prune(node)
-        self._free = deque(range(self.num_pages))
+        self._free = deque(page for page in range(self.num_pages) if page not in self._scratch)
         self._lru.clear()
         self._anchors = 0
         self._stores.clear()
+        self._puts.clear()
+        self._store_pages.clear()
         self._uncomputed.clear()
 
     # -------------------------------------------------------------- lookups
@@ -400,7 +486,9 @@ class HostTier:
         copy (those before `hit` are the device hit's own window); with `back_off` (EAGLE/MTP
         drafting: 1), L is that many positions short of such an end, whose window and
         `back_off` positions more are on host (anchor windows are that much longer then), as
-        the device's hits stop a position short for the drafter. Does not change anything."""
+        the device's hits stop a position short for the drafter. With an L3, a position's Full
+        KV past the host's and its SWA KV may be there instead (the module docstring's last
+        rule). Does not change anything."""
         path = list(match.path[:max_blocks])
         takeover = match.takeover(hit)
         nodes = self.tree.nodes
@@ -410,19 +498,54 @@ class HostTier:
             if node is None or node.host is None or node.host.full is None:
                 break
             path.append(node)
-        best = hit
-        window = self.window_blocks + self.back_off
-        missing = hit - 1  # the last position from `hit` on without a host SWA copy, so far
+        full_end = hit  # Full KV on the device (taken over) or the host up to here
         for end in range(hit + 1, len(path) + 1):
             s = path[end - 1].host
             if end > hit + takeover and (s is None or s.full is None):
                 break
-            if s is None or s.swa is None:
+            full_end = end
+        l3_swa: frozenset[int] = frozenset()
+        reach = full_end
+        if self.l3 is not None:
+            reach, l3_swa = self._l3_reach(keys, path, hit, full_end, min(max_blocks, len(keys)))
+        best = hit
+        window = self.window_blocks + self.back_off
+        missing = hit - 1  # the last position from `hit` on without a host or L3 SWA copy, so far
+        for end in range(hit + 1, reach + 1):
+            s = path[end - 1].host if end <= len(path) else None
+            if (s is None or s.swa is None) and end - 1 not in l3_swa:
                 missing = end - 1
             stop = end - self.back_off
             if stop > hit and missing < max(hit, end - window):
                 best = stop
-        return HostMatch(path, hit, best)
+        return HostMatch(path, hit, best, full_end, l3_swa, keys)
+
+    def _l3_reach(
+        self, keys: Sequence[Any], path: list[Node], hit: int, full_end: int, max_blocks: int
+    ) -> tuple[int, frozenset[int]]:
+        """How far L3 carries the Full KV past `full_end` (the end of the device's and the
+        host's), and which positions from `hit` to there have their SWA pages in L3 but not on
+        the host: two batched questions to the store."""
+        reach = full_end
+        if full_end < max_blocks:
+            for whole in self._l3_holds("full", self.full_pages, [keys[pos] for pos in range(full_end, max_blocks)]):
+                if not whole:
+                    break
+                reach += 1
+        lacking = [
+            pos for pos in range(hit, reach) if pos >= len(path) or path[pos].host is None or path[pos].host.swa is None
+        ]
+        if not lacking or reach == hit:
+            return reach, frozenset()
+        swa = self._l3_holds("swa", self.swa_pages, [keys[pos] for pos in lacking])
+        return reach, frozenset(pos for pos, whole in zip(lacking, swa, strict=True) if whole)
+
+    def _l3_holds(self, kind: str, pages: int, block_hashes: Sequence[Any]) -> list[bool]:
+        """Per position: whether L3 holds every page of its `kind` copy (one question)."""
+        assert self.l3 is not None
+        keys = [self.l3.key(kind, i, h) for h in block_hashes for i in range(pages)]
+        found = [held and key not in self._unreadable for key, held in zip(keys, self.l3.contains(keys), strict=True)]
+        return [all(found[i : i + pages]) for i in range(0, len(found), pages)]
 
     # ------------------------------------------------------------------ loads
 
@@ -437,7 +560,10 @@ class HostTier:
         """Keep the host copies a load of `extension` reads until `plan_load`'s plan is done;
         returns the nodes held."""
         full, swa = self._load_sources(extension, adopted)
-        return self.hold([extension.path[p] for p in (*full, *swa)])
+        return self.hold(
+            [extension.path[p] for p in full if p < extension.l3_from]
+            + [extension.path[p] for p in swa if p not in extension.l3_swa]
+        )
 
     def plan_load(
         self,
@@ -456,17 +582,53 @@ class HostTier:
         plan = LoadPlan(held=held)
         path = extension.path
         full_range, swa_range = self._load_sources(extension, adopted)
-        plan.full = [Copy(path[pos].host.full, full[pos - adopted]) for pos in full_range]
-        plan.swa = [Copy(path[pos].host.swa, swa[pos - extension.hit]) for pos in swa_range]  # type: ignore[arg-type]
+        from_l3_full = [pos for pos in full_range if pos >= extension.l3_from]
+        from_l3_swa = [pos for pos in swa_range if pos in extension.l3_swa]
+        pages = len(from_l3_full) * self.full_pages + len(from_l3_swa) * self.swa_pages
+        plan.failed = not self._fetch_room(pages)
+        if plan.failed:
+            self.stats.l3_short_loads += 1
+        else:
+            plan.fetches = [self._fetch(extension.keys[pos], "full", self.full_pages) for pos in from_l3_full]
+            plan.fetches += [self._fetch(extension.keys[pos], "swa", self.swa_pages) for pos in from_l3_swa]
+            plan.scratch = [page for fetch in plan.fetches for page in fetch.host]
+            self._scratch.update(plan.scratch)
+        fetched = iter(fetch.host for fetch in plan.fetches)
+        plan.full = [
+            Copy(path[pos].host.full if pos < extension.l3_from else next(fetched, ()), full[pos - adopted])
+            for pos in full_range
+        ]
+        plan.swa = [
+            Copy(path[pos].host.swa if pos not in extension.l3_swa else next(fetched, ()), swa[pos - extension.hit])  # type: ignore[arg-type]
+            for pos in swa_range
+        ]
         stats = self.stats
         stats.loaded_full += len(plan.full)
         stats.loaded_swa += len(plan.swa)
+        stats.l3_loaded_full += len(from_l3_full)
+        stats.l3_loaded_swa += len(from_l3_swa)
         tokens = (extension.blocks - extension.hit) * self.block_size
         stats.hit_tokens += tokens
+        stats.l3_hit_tokens += max(0, extension.blocks - max(extension.hit, extension.l3_from)) * self.block_size
         if preempted:
             stats.swapped_in_tokens += tokens
-        self.touch(path[extension.blocks - 1], tick)
+        if extension.blocks <= len(path):
+            self.touch(path[extension.blocks - 1], tick)
         self._loads[request_id] = plan
+
+    def _fetch_room(self, pages: int) -> bool:
+        """Free `pages` host pages for a load from L3, evicting host anchors nothing holds."""
+        while len(self._free) < pages:
+            if not self._make_room():
+                return False
+        return True
+
+    def _fetch(self, block_hash: Any, kind: str, count: int) -> L3Copy:
+        """A read of one position's `kind` pages from L3 into new host pages."""
+        assert self.l3 is not None
+        keys = tuple(self.l3.key(kind, i, block_hash) for i in range(count))
+        self.l3.got(keys)
+        return L3Copy(keys, self._take(count))
 
     def take_load(self, request_id: str) -> LoadPlan | None:
         """The copies from host that the latest admission of this request needs, held until
@@ -502,8 +664,12 @@ class HostTier:
         nodes = {id(node) for node in plan.held}
         self.release(plan.held)
         plan.held = []
+        self._free.extend(plan.scratch)
+        self._scratch.difference_update(plan.scratch)
+        plan.scratch = []
         if not failed:
             return
+        self._unreadable.update(key for fetch in plan.fetches for key in fetch.keys)
         self.stats.failed_loads += 1
         victims = []
         for node in self.tree.nodes.values():
@@ -521,9 +687,11 @@ class HostTier:
     # -------------------------------------------------------------- integrity
 
     def check_integrity(self) -> None:
-        used = 0
+        used = len(self._scratch)
         pages: set[int] = set(self._free)
         assert len(pages) == len(self._free), "a host page is free twice"
+        assert not pages & self._scratch, "a page of a load from L3 is free"
+        pages |= self._scratch
         anchors = 0
         swa_refs: dict[int, int] = {}
         for node in self.tree.nodes.values():

@@ -15,6 +15,10 @@ anchor covers it. Running requests' references change only through the tree's me
 keep the two totals the cache's size is derived from: `unreferenced_full` and `retained_swa`
 nodes.
 
+Every change of a node's Full or SWA KV between held and not held is told to the cache's
+observers where it happens (`Observers.tell_stored` / `tell_removed`: KV cache events follow
+the nodes exactly).
+
 Matching never mutates. Full KV past the deepest anchor of its path can never end a hit (a hit
 needs the SWA window before it): such unreferenced, unanchored leaves are the tree's Full
 eviction candidates, least recently used first (`pop_full_victim`).
@@ -27,6 +31,9 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_mimo.block_manager.base import DEVICE, Observers
+from vllm_mimo.block_manager.pools import Pool
 
 Blocks = tuple[int, ...]
 """The block ids of one position in one pool (one or more per group)."""
@@ -158,7 +165,9 @@ def position_hashes(block_hashes: Sequence[Any], stride: int, positions: int) ->
 class PrefixTree:
     """Nodes by chained block hash, their reference counts, and the Full eviction order."""
 
-    def __init__(self) -> None:
+    def __init__(self, observers: Observers | None = None) -> None:
+        self.observers = observers or Observers()
+        """Told of every node's KV stored or removed (the cache's, shared with its host tier)."""
         self.root = Node(None, None, -1)
         self.nodes: dict[Any, Node] = {}
         self.unreferenced_full = 0
@@ -234,12 +243,16 @@ class PrefixTree:
         take its SWA blocks there (`swa`, by position), which it references from then on. A
         request keeps its own copy where another request's was shared; once that other request
         lets go of it, this one's copy is the node's (an anchor there needs it)."""
+        shared = []
         for pos in range(start, min(end, len(swa))):
             ids = swa[pos]
             node = path[pos]
             if ids is not None and node.swa_blocks is None:
                 node.swa_blocks = ids
                 node.swa_refs += 1
+                shared.append(node)
+        if shared:
+            self.observers.tell_stored(shared, Pool.SWA, DEVICE)
 
     def branch_points(self, path: Sequence[Node], keys: Sequence[Any], start: int) -> list[int]:
         """The positions `add_positions(path, keys, ..., start, ...)` would return as branched,
@@ -315,6 +328,7 @@ class PrefixTree:
             self.retained_swa += 1
             return None
         blocks, node.swa_blocks = node.swa_blocks, None
+        self.observers.tell_removed((node,), Pool.SWA, DEVICE)
         self.prune(node)
         return blocks
 
@@ -325,12 +339,15 @@ class PrefixTree:
         returns the SWA blocks nothing keeps any more (the caller's to free). The Full KV past
         the previous anchor on its path is no longer reachable by a hit: the node becomes a
         Full eviction candidate."""
-        freed = []
+        freed, cleared = [], []
         for covered in window:
             if covered.anchor_refs == 0 and covered.swa_refs == 0 and covered.swa_blocks is not None:
                 self.retained_swa -= 1
                 freed.append(covered.swa_blocks)
                 covered.swa_blocks = None
+                cleared.append(covered)
+        if cleared:
+            self.observers.tell_removed(cleared, Pool.SWA, DEVICE)
         for covered in window:
             self.prune(covered)
         self.offer_full_victim(node)
@@ -347,6 +364,8 @@ class PrefixTree:
             node.parent.full_children += 1 if now else -1
             if not now:
                 self.offer_full_victim(node.parent)
+        if was != now:
+            (self.observers.tell_stored if now else self.observers.tell_removed)((node,), Pool.FULL, DEVICE)
 
     def _is_garbage(self, node: Node) -> bool:
         return (

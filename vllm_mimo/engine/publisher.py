@@ -40,6 +40,13 @@ def host_tier_snapshot(manager: HybridKVCacheManager, counters: HostTierCounters
         "loaded_bytes": dict(counters.loaded_bytes),
         "load_seconds": counters.load_seconds,
         "store_seconds": counters.store_seconds,
+        "l3_on": int(host.l3 is not None),
+        "l3_hit_tokens": stats.l3_hit_tokens,
+        "l3_put_bytes": counters.l3_put_bytes,
+        "l3_fetched_bytes": counters.l3_fetched_bytes,
+        "l3_failed_fetches": counters.l3_failed_fetches,
+        "l3_failed_puts": counters.l3_failed_puts,
+        "l3_short_loads": stats.l3_short_loads,
     }
 
 

