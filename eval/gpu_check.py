@@ -42,10 +42,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from vllm_mimo.attention_backends.split_prefill import SplitPrefill
 
 from vllm_mimo.attention_backends.plan import plan_split
 from vllm_mimo.attention_backends.reference import window_local_prefill
-from vllm_mimo.attention_backends.split_prefill import SplitPrefill
 
 TOLERANCE = 3e-2  # bf16 inputs and outputs: a few ulps of outputs of size ~1
 DEVICE = "cuda"  # a dry run on CPU sets "cpu" (with a stand-in flashinfer)

@@ -3,11 +3,11 @@
 # (ignored by git; the device tool carries it with `carry: [".whl"]`). The lent machines have
 # torch with CUDA, einops, tabulate and nvidia-ml-py but no flashinfer; everything that travels
 # must stay under 64 MiB with the repository, so the flashinfer wheel is repacked without the
-# CUDA sources of kernels the check never builds (it keeps the prefill sources, all headers
-# and all Python). Usage: bash eval/gpu_wheels.sh
+# CUDA sources of kernels the check never builds (it keeps the prefill and decode sources, the
+# cascade (merge) sources, all headers and all Python). Usage: bash eval/gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FLASHINFER=flashinfer-python==0.7.2.post1   # the version ../shared/research/window-local-swa.md read
+FLASHINFER=flashinfer-python==0.7.2.post1   # the `gpu` extra's pin (pyproject.toml)
 TVM_FFI='apache-tvm-ffi>=0.1.11,<0.2'        # flashinfer 0.7.2's requirement
 PY=${PYTHON:-.venv/bin/python}
 rm -rf .whl && mkdir -p .whl
@@ -24,7 +24,7 @@ import base64, hashlib, re, sys, zipfile
 from pathlib import Path
 
 source, out = Path(sys.argv[1]), Path(sys.argv[2])
-keep_csrc = re.compile(r"flashinfer/data/csrc/([^/]+\.(h|inc)|(batch|single)_prefill[^/]*)$")
+keep_csrc = re.compile(r"flashinfer/data/csrc/([^/]+\.(h|inc)|(batch|single)_(prefill|decode)[^/]*|(flashinfer_)?cascade[^/]*)$")
 with zipfile.ZipFile(source) as src, zipfile.ZipFile(out / source.name, "w", zipfile.ZIP_DEFLATED) as dst:
     dropped, record, record_name = 0, [], None
     for info in src.infolist():

@@ -142,7 +142,8 @@ def test_swa_attention_resolves_per_platform():
 def test_window_local_on_cuda_selects_the_plugins_backend_for_swa_layers(tiny_models, monkeypatch):
     """On CUDA (faked: this machine has none) window-local sets backend_per_kind for
     sliding-window layers to the plugin's FlashInfer backend; no flashinfer, another backend
-    chosen for those layers, or CUSTOM registered by someone else stop startup."""
+    chosen for those layers, CUSTOM registered by someone else, or sinks where vLLM's FlashInfer
+    backend cannot serve them stop startup."""
     from vllm_mimo import attention_backends, compat
 
     vllm_config = _engine_config(tiny_models["mimo"])
@@ -152,6 +153,12 @@ def test_window_local_on_cuda_selects_the_plugins_backend_for_swa_layers(tiny_mo
     monkeypatch.setattr(attention_backends, "_custom_path", lambda: attention_backends._CUDA_BACKEND)
     per_kind = vllm_config.attention_config.backend_per_kind
     assert attention_backends.configure(vllm_config, MimoConfig()) == "stock" and not per_kind
+    # The tiny MiMo's SWA layers have sinks: refused where vLLM's FlashInfer cannot serve them.
+    monkeypatch.setattr(attention_backends, "_flashinfer_supports_sink", lambda: False)
+    with pytest.raises(MimoConfigError, match=r"attention sinks and FlashInferBackend.supports_sink\(\) is False"):
+        attention_backends.configure(vllm_config, window_local)
+    assert not per_kind
+    monkeypatch.setattr(attention_backends, "_flashinfer_supports_sink", lambda: True)
     assert attention_backends.configure(vllm_config, window_local) == "window-local"
     assert per_kind == {"sliding_window": compat.AttentionBackendEnum.CUSTOM}
     per_kind["sliding_window"] = compat.AttentionBackendEnum.FLASH_ATTN

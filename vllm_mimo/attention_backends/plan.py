@@ -14,12 +14,14 @@ of O(chunk) per SWA layer held in the pool. All of it but which cache blocks to 
 on the step's lengths alone (`window_layout`), so the SWA groups of a step share one
 `WindowLayout` and each plans only its own block table (`WindowLayout.plan`).
 
-`plan_split` lays the same step out as two attention calls with no scratch (the FlashInfer
-shape of the CUDA path): the chunk over its own keys in flight, and the cached window read from
-the paged cache in place; `reference.combine_split` merges them.
+The SWA groups of a step share its layout (`step_layout`, once per step); `paged_index` gives
+it as the arrays of a stock paged prefill kernel's plan (FlashInfer's, once per step for every
+group of a shape), which is all the CUDA path adds: one kernel call per layer over the scratch,
+no merge.
 
-Everything here is plain torch on the host: the CPU backend runs `WindowPlan`, the CUDA
-backend passes `SplitPlan`'s arrays (moved to its device) to FlashInfer's plan calls.
+Everything here is plain torch on the host: the CPU backend runs `WindowPlan` with vLLM's CPU
+kernel, the CUDA backends hand `PagedIndex` to FlashInfer's plan (or the layout's block table
+to FlashAttention) and the copy indices to the device once per step.
 """
 
 from __future__ import annotations
@@ -137,88 +139,63 @@ def window_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window:
     )
 
 
+_step: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, WindowLayout, dict]] = {}
+"""Per (window, block size): the lengths of the latest step laid out, copied (vLLM refills its
+buffers in place), their layout and what the backends made for it. The SWA groups of a step
+are built one after another from the same lengths; each reuses these and plans only its own
+block table."""
+
+
+def step_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int) -> tuple[WindowLayout, dict]:
+    """`window_layout` of these lengths (host tensors), and a dict for what a backend makes
+    for it once per step (kernel schedules and plans, device copies): the ones of the group
+    built before when the lengths are the same, else new ones."""
+    last = _step.get((window, block_size))
+    if (last is not None and last[1].dtype == seq_lens.dtype and torch.equal(last[0], query_start_loc)
+            and torch.equal(last[1], seq_lens)):
+        return last[2], last[3]
+    layout = window_layout(query_start_loc, seq_lens, window, block_size)
+    _step[(window, block_size)] = (query_start_loc.clone(), seq_lens.clone(), layout, {})
+    return layout, _step[(window, block_size)][3]
+
+
 @dataclass(frozen=True)
-class SplitPlan:
-    """A window-local step as two calls merged by log-sum-exp; R requests, T new tokens, C of
-    the requests with cached tokens (`context > 0`), W the window.
+class PagedIndex:
+    """A `WindowLayout` as the arrays a stock paged prefill kernel is planned with (FlashInfer's
+    `BatchPrefillWithPagedKVCacheWrapper.plan`); int32, host. R requests over N scratch blocks.
 
-    The chunk call: queries and keys are the step's new tokens (`query_start_loc` as both
-    indptrs), causal, a window of W-1 keys to the left.
+    qo_indptr:     [R+1] the new tokens' offsets (the step's query_start_loc, from 0)
+    kv_indptr:     [R+1] offsets into `kv_indices`
+    kv_indices:    [N] the scratch blocks of each request in order (0..N-1: a request's blocks
+                   are consecutive in scratch)
+    last_page_len: [R] keys in each request's last scratch block (1..block size)
 
-    The context call reads, for each of the C requests, the cache pages from the one holding
-    `context - (W-1)` to the one holding `context - 1` (n keys), with exactly W-1 query rows:
-    row i is the request's new token i (rows past its last new token repeat it and are thrown
-    away). Non-causal with a left window of 0 keys, a kernel that aligns the last query row to
-    the last key (FlashInfer's rule: key j is seen by row i when j >= i + n - rows - window_left)
-    gives row i the keys at positions >= context + i - (W-1): the window, exactly. Each of the W-1
-    rows has at least one key in reach, so no row is empty. The cost is W-1 rows per request
-    with a context: O(W), whatever the chunk.
-
-    context_requests:   [C] which requests have a context part
-    context_qo_indptr:  [C+1] 0, W-1, 2(W-1), ...
-    context_rows:       [C(W-1)] the step's query row each context row reads
-    context_valid:      [C(W-1)] whether that row is a real new token (not a repeat)
-    page_indptr:        [C+1] offsets into the page lists
-    page_request:       [P] the request (row of the step's block table) of each page
-    page_column:        [P] the page's logical block: its id is block_table[request, column]
-    last_page_len:      [C] keys in each request's last page
-    window:             W
+    Run causal with `window_left` = W-1: the kernel aligns each request's last query row with
+    its last key, so row i of a request with q new tokens and n scratch keys sees keys
+    n-q+i-(W-1) .. n-q+i, which are the positions p-(W-1) .. p of its token at p shifted by
+    the same `first_block * block_size`: the window, exactly.
     """
 
-    context_requests: torch.Tensor
-    context_qo_indptr: torch.Tensor
-    context_rows: torch.Tensor
-    context_valid: torch.Tensor
-    page_indptr: torch.Tensor
-    page_request: torch.Tensor
-    page_column: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
     last_page_len: torch.Tensor
-    window: int
 
 
-def plan_split(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int) -> SplitPlan:
-    """The split layout (see `SplitPlan`) for requests whose new tokens start at
-    `query_start_loc` (R+1 offsets, host) with key lengths `seq_lens` (host); page ids are
-    left to the caller (`page_request`, `page_column` index its block table), so the plan reads
-    no device memory."""
-    qsl, _, q_lens, context = _step_lengths(query_start_loc, seq_lens, window, block_size)
-    rows = window - 1
-    requests = torch.nonzero(context > 0).flatten() if rows else torch.zeros(0, dtype=torch.int64)
-    ctx, q = context[requests], q_lens[requests]
-    first = (ctx - rows).clamp(min=0) // block_size
-    last = (ctx - 1) // block_size
-    pages = last - first + 1
-    c = requests.numel()
-    i = torch.arange(rows, dtype=torch.int64).repeat(c)
-    owner = torch.arange(c, dtype=torch.int64).repeat_interleave(rows)
-    page_owner = torch.arange(c, dtype=torch.int64).repeat_interleave(pages)
-    page_indptr = torch.zeros(c + 1, dtype=torch.int64)
-    page_indptr[1:] = torch.cumsum(pages, 0)
-    return SplitPlan(
-        context_requests=requests,
-        context_qo_indptr=torch.arange(c + 1, dtype=torch.int64) * rows,
-        context_rows=qsl[requests][owner] + torch.minimum(i, q[owner] - 1),
-        context_valid=i < q[owner],
-        page_indptr=page_indptr,
-        page_request=requests[page_owner],
-        page_column=first[page_owner] + torch.arange(int(pages.sum())) - page_indptr[page_owner],
-        last_page_len=ctx - last * block_size,
-        window=window,
+def paged_index(layout: WindowLayout, query_start_loc: torch.Tensor) -> PagedIndex:
+    """`layout`'s arrays for a paged prefill kernel (see `PagedIndex`)."""
+    bs = layout.block_size
+    lens = layout.seq_lens.to(torch.int64)
+    counts = (lens + bs - 1) // bs
+    kv_indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    kv_indptr[1:] = torch.cumsum(counts, 0)
+    qsl = query_start_loc.to(torch.int64)
+    return PagedIndex(
+        qo_indptr=(qsl - qsl[:1]).to(torch.int32),
+        kv_indptr=kv_indptr.to(torch.int32),
+        kv_indices=torch.arange(layout.num_blocks, dtype=torch.int32),
+        last_page_len=(lens - (counts - 1) * bs).to(torch.int32),
     )
-
-
-def context_pages(split: SplitPlan, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The context call's pages as a block table, for kernels that take one (FlashAttention):
-    `[C, P]` logical blocks (columns of the step's block table, rows `split.context_requests`;
-    a shorter list repeats its last page, which the kernel never reads) and `[C]` keys from the
-    first page's first slot to the context's end."""
-    pages = split.page_indptr[1:] - split.page_indptr[:-1]
-    if not pages.numel():
-        return torch.zeros((0, 0), dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    first = split.page_column[split.page_indptr[:-1]]
-    j = torch.arange(int(pages.max()), dtype=torch.int64)
-    columns = first[:, None] + torch.minimum(j[None, :], pages[:, None] - 1)
-    return columns, (pages - 1) * block_size + split.last_page_len
 
 
 def mask_null_slots(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""Window-local SWA attention in plain torch: the reference every backend is checked against,
-and the arithmetic of the CUDA path (two partial results merged by log-sum-exp, the sink
-applied once at the end), written out so it runs and is tested on CPU.
+"""Window-local SWA attention in plain torch: the reference every backend is checked against
+(the cached window and the chunk attended apart, merged by log-sum-exp, the sink applied once),
+and `PagedPrefillReference`, a stand-in for FlashInfer's paged prefill wrapper computed by its
+documented mask rule, which runs the CUDA path's kernel layer on CPU (tests, the dry runs of
+`eval/gpu_check.py` and `eval/gpu_vllm_harness.py`).
 
 Shapes, for one request: queries `[q, Hq, Dqk]`; keys `[n, Hkv, Dqk]`; values `[n, Hkv, Dv]`
 (Dv may differ from Dqk, as in MiMo's 192/128); Hq a multiple of Hkv (grouped queries).
@@ -10,12 +12,7 @@ head, as gpt-oss and MiMo's SWA layers have) joins every query's softmax without
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from vllm_mimo.attention_backends.plan import SplitPlan
 
 
 def attend(
@@ -83,23 +80,61 @@ def window_local_prefill(
     return apply_sinks(out, lse, sinks) if sinks is not None else out
 
 
-def combine_split(
-    plan: SplitPlan,
-    chunk: tuple[torch.Tensor, torch.Tensor],
-    context: tuple[torch.Tensor, torch.Tensor] | None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A step's output from the two calls of a `SplitPlan`: `chunk` is (output, natural-log
-    LSE) of every new token over the chunk, `context` the same for the plan's context rows
-    (None when it has none); each real context row is merged into its token, repeats are
-    dropped, sinks applied once. Plain torch: runs on the device of its inputs."""
-    out, lse = chunk
-    if context is not None and plan.context_rows.numel():
-        valid = plan.context_valid
-        rows = plan.context_rows[valid]
-        context_out = torch.zeros_like(out)
-        context_lse = torch.full_like(lse, float("-inf"))
-        context_out[rows] = context[0][valid].to(out.dtype)
-        context_lse[rows] = context[1][valid].to(lse.dtype)
-        out, lse = merge((out, lse), (context_out, context_lse))
-    return apply_sinks(out, lse, sinks) if sinks is not None else out
+class PagedPrefillReference:
+    """FlashInfer's `BatchPrefillWithPagedKVCacheWrapper` (and its attention-sink variant) as
+    plain torch, by FlashInfer 0.7.2's mask rule (`include/flashinfer/attention/variants.cuh`):
+    key j of a request with `kv_len` keys is seen by its query row i of `qo_len` when
+    j + qo_len + window_left >= kv_len + i (window_left -1: no window) and, causal,
+    j <= i + kv_len - qo_len. Pages are NHD (`[pages, page size, kv heads, D]`). Same `plan` /
+    `run` arguments as the wrapper for what the plugin passes; float32 math, output in the
+    query's dtype. Not a kernel: it loops over requests on the host."""
+
+    def __init__(self, kv_layout: str = "NHD") -> None:
+        if kv_layout != "NHD":
+            raise ValueError(f"PagedPrefillReference reads NHD pages only, not {kv_layout!r}")
+        self.planned: dict | None = None
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
+             page_size: int, *, head_dim_vo: int | None = None, causal: bool = False, window_left: int = -1,
+             sm_scale: float | None = None, logits_soft_cap: float | None = None, **_: object) -> None:
+        if logits_soft_cap:
+            raise ValueError("PagedPrefillReference has no soft cap")
+        self.planned = {
+            "qo": qo_indptr.tolist(), "kv": paged_kv_indptr.tolist(), "pages": paged_kv_indices.to(torch.int64),
+            "last": paged_kv_last_page_len.tolist(), "page_size": page_size, "causal": causal,
+            "window_left": window_left, "scale": sm_scale if sm_scale is not None else head_dim_qk**-0.5,
+        }
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *args: object,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output `[T, Hq, Dv]`; `args` as the sink wrapper's: (sinks, sm_scale)."""
+        plan = self.planned
+        if plan is None:
+            raise RuntimeError("PagedPrefillReference.run before plan")
+        sinks = args[0] if args else None
+        k_pages, v_pages = paged_kv_cache
+        result = out if out is not None else q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
+        for r in range(len(plan["qo"]) - 1):
+            a, b = plan["qo"][r], plan["qo"][r + 1]
+            pages = plan["pages"][plan["kv"][r] : plan["kv"][r + 1]].to(k_pages.device)
+            n = (pages.numel() - 1) * plan["page_size"] + plan["last"][r]
+            key = k_pages[pages].flatten(0, 1)[:n].float()
+            value = v_pages[pages].flatten(0, 1)[:n].float()
+            rows = b - a
+            i, j = torch.arange(rows)[:, None], torch.arange(n)[None, :]
+            left = plan["window_left"] if plan["window_left"] >= 0 else n
+            seen = j + rows + left >= n + i
+            if plan["causal"]:
+                seen &= j <= i + n - rows
+            groups = q.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+            logits = torch.einsum("qhd,khd->hqk", q[a:b].float(), key) * plan["scale"]
+            logits = logits.masked_fill(~seen.to(logits.device)[None], float("-inf"))
+            lse = torch.logsumexp(logits, dim=-1)
+            weights = torch.exp(logits - lse[..., None].clamp(min=torch.finfo(logits.dtype).min)).nan_to_num(0.0)
+            part = torch.einsum("hqk,khd->qhd", weights, value)
+            if sinks is not None:
+                part = apply_sinks(part, lse.transpose(0, 1), torch.as_tensor(sinks).float())
+            result[a:b] = part.to(result.dtype)
+        return result
