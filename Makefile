@@ -91,7 +91,7 @@ test-vllm033: setup
 
 OPS ?= 1000000
 fuzz: setup
-	VLLM_MIMO_STATEFUL_OPS=$(OPS) $(PY) -m pytest tests/test_block_manager_stateful.py -k at_scale -s
+	VLLM_MIMO_STATEFUL_OPS=$(OPS) $(PY) -m pytest tests/test_kv_cache_stateful.py -k at_scale -s
 
 # lm-eval accuracy of the trained tiny MiMo: plugin off, plugin on, and `vllm serve` (issue 5)
 .PHONY: eval

@@ -2,7 +2,7 @@
 `mimo-host-dense` engine).
 
 What a tier that stores SWA tails whole would hold: the comparison that shows what the plugin's
-mask-only tier (`vllm_mimo.block_manager.host_tier`) buys. A replay engine only: the device no
+mask-only tier (`vllm_mimo.kv_cache.tiers.host`) buys. A replay engine only: the device no
 longer has the SWA KV of positions behind a window, so its bytes are counted as if written when
 computed. Its one rule in place of the mask-only tier's: a host SWA copy is kept while the
 node's host Full copy is kept.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_mimo.block_manager.host_tier import HostSlot, HostTier, host_swa
-from vllm_mimo.block_manager.prefix_tree import Node
+from vllm_mimo.kv_cache.prefix_tree import Node
+from vllm_mimo.kv_cache.tiers.host import HostSlot, HostTier, host_swa
 
 
 class DenseHostTier(HostTier):

@@ -237,8 +237,8 @@ def make_manager(
     `HybridKVCacheManager` is, to build the plugin's engine (with observers, or a measuring
     tool's placement: `eval.replay_diagnose`, `eval.replay_bound`); `host_bytes`: the host tier
     of a host-tier engine."""
-    from vllm_mimo.block_manager.adapter import HybridKVCacheManager
     from vllm_mimo.compat import KVCacheManager, resolve_kv_cache_block_sizes
+    from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 
     vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
     config = kv_cache_config(LAYOUTS[layout_name], kv_bytes, vllm_config)

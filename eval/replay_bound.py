@@ -35,11 +35,11 @@ from pathlib import Path
 
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from eval.workloads import ReplayRequest, tokens
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
-from vllm_mimo.block_manager.base import CacheObserver
-from vllm_mimo.block_manager.placement import AnchorPlacement
-from vllm_mimo.block_manager.prefix_tree import Node
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
+from vllm_mimo.kv_cache.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
+from vllm_mimo.kv_cache.contract import CacheObserver
+from vllm_mimo.kv_cache.prefix_tree import Node
 
 ENGINES = ("swa-free", "mimo", "clairvoyant-placement", "clairvoyant")
 

@@ -96,7 +96,7 @@ class L3Stats:
 
 class SimulatedL3:
     """A shared KV store behind every instance's host tier (the `L3Index` protocol of
-    `vllm_mimo.block_manager.l3`): one object per key (kind, page index, block hash) of
+    `vllm_mimo.kv_cache.tiers.l3`): one object per key (kind, page index, block hash) of
     `key_bytes` (one host page: a device block's bytes in every layer of its group), at most `capacity_bytes`,
     least recently put or got evicted first. `contains` does not count as a use."""
 
@@ -223,7 +223,7 @@ class Instance(EngineReplay):
 
     def __init__(self, layout: str, kv_gib: float, requests: list[ReplayRequest], ideal: list[int],
                  params: SimParams, l3: SimulatedL3 | None, l3_gbps: float, events: bool) -> None:
-        from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+        from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 
         self.l3 = L3Client(l3) if l3 is not None else None
         factory = functools.partial(HybridKVCacheManager, l3=self.l3, enable_kv_cache_events=events)

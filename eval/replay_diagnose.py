@@ -29,8 +29,8 @@ from collections import Counter
 from pathlib import Path
 
 from eval.replay import SimParams, add_source_arguments, ideal_hits, load_source, simulate
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.base import CacheObserver, EvictionCause
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.contract import CacheObserver, EvictionCause
 
 SAMPLE_EVERY = 10
 

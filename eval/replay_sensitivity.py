@@ -30,9 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.anchors import Anchor
-from vllm_mimo.block_manager.placement import AnchorPlacement
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
+from vllm_mimo.kv_cache.anchors import Anchor
 
 AGAINST = ("mimo-lru", "mimo-stock-attention", "swa-free")
 

@@ -13,7 +13,7 @@ def keep_uncomputed() -> None:
     """The negative control of the priority-preemption test: a request preempted within its
     step leaves what it cached there in the tree, as the cache did before
     `HybridKVCache.withdraw_uncomputed`."""
-    from vllm_mimo.block_manager.cache import HybridKVCache
+    from vllm_mimo.kv_cache.cache import HybridKVCache
 
     HybridKVCache.withdraw_uncomputed = lambda self, request, state: None  # type: ignore[method-assign]
 
@@ -24,7 +24,7 @@ def scribble_new_blocks() -> None:
     is garbage, never zeros or an earlier request's bytes that happen to be right."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_mimo.block_manager.cache import HybridKVCache
+    from vllm_mimo.kv_cache.cache import HybridKVCache
 
     fresh: list[int] = []
     allocate = HybridKVCache.allocate

@@ -8,9 +8,6 @@ from typing import Any
 
 import torch
 
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.host_tier import HostTier
-from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree
 from vllm_mimo.compat import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -22,6 +19,9 @@ from vllm_mimo.compat import (
     init_none_hash,
 )
 from vllm_mimo.config import MimoConfig
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.prefix_tree import Node, PrefixTree
+from vllm_mimo.kv_cache.tiers.host import HostTier
 
 BLOCK = 16
 
@@ -163,7 +163,7 @@ def prometheus_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 class DictL3:
-    """An `L3Index` (`vllm_mimo.block_manager.l3`) over a set of keys: what the worker would
+    """An `L3Index` (`vllm_mimo.kv_cache.tiers.l3`) over a set of keys: what the worker would
     have put."""
 
     def __init__(self) -> None:

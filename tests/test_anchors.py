@@ -1,4 +1,4 @@
-"""The anchor order (`vllm_mimo.block_manager.anchors.AnchorSet`): held hot prefixes, GreedyDual
+"""The anchor order (`vllm_mimo.kv_cache.anchors.AnchorSet`): held hot prefixes, GreedyDual
 worth and its clock, demotion, and holds."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tests.kv_helpers import chain
-from vllm_mimo.block_manager.anchors import (
+from vllm_mimo.kv_cache.anchors import (
     PRIOR_REUSE_GAP,
     Anchor,
     AnchorKind,
     AnchorSet,
     AnchorState,
 )
-from vllm_mimo.block_manager.prefix_tree import PrefixTree
+from vllm_mimo.kv_cache.prefix_tree import PrefixTree
 
 
 def test_anchor_order_holds_hot_prefixes_while_running_requests_hold_their_node():

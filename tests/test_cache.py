@@ -1,4 +1,4 @@
-"""The hybrid KV manager (`HybridKVCacheManager` in `vllm_mimo.block_manager.adapter`, driving
+"""The hybrid KV manager (`HybridKVCacheManager` in `vllm_mimo.engine.kv_manager`, driving
 `HybridKVCache` in `cache.py`) without a model: hits, anchors of every kind, the anchor budget,
 holds, preemption, admission limits, groups with different block sizes, and window-local
 allocation."""
@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 
 from tests.kv_helpers import BLOCK, SYSTEM, kv_config, make_request, manager, run
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.anchors import (
+from vllm_mimo.compat import RequestStatus
+from vllm_mimo.config import MimoConfig
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.anchors import (
     Anchor,
     AnchorKind,
 )
-from vllm_mimo.block_manager.base import CacheObserver
-from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
-from vllm_mimo.block_manager.pools import Pool
-from vllm_mimo.compat import RequestStatus
-from vllm_mimo.config import MimoConfig
+from vllm_mimo.kv_cache.contract import CacheObserver
+from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout
+from vllm_mimo.kv_cache.pools import Pool
 
 
 def test_next_turn_hits_through_the_previous_output():

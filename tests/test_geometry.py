@@ -1,4 +1,4 @@
-"""The KV geometry (`vllm_mimo.block_manager.geometry`) read from vLLM's KV cache config: groups,
+"""The KV geometry (`vllm_mimo.kv_cache.geometry`) read from vLLM's KV cache config: groups,
 window, and groups with different block sizes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.kv_helpers import BLOCK, kv_config
-from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout
+from vllm_mimo.kv_cache.geometry import KVGeometry, UnsupportedKVLayout
 
 
 def test_geometry_reads_groups_and_window():

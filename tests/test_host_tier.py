@@ -1,7 +1,7 @@
-"""The host tier's index and policy (`vllm_mimo.block_manager.host_tier`) through the manager:
+"""The host tier's index and policy (`vllm_mimo.kv_cache.tiers.host`) through the manager:
 demotion of evicted anchors to host memory, hits extended by what the host holds, the load
 plan, host eviction, holds, and the integrity check. (The stateful fuzzer in
-tests/test_block_manager_stateful.py drives it too, with every invariant after every step.)"""
+tests/test_kv_cache_stateful.py drives it too, with every invariant after every step.)"""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 
 from eval.host_dense import DenseHostTier
 from tests.kv_helpers import BLOCK, kv_config, make_request, manager, prometheus_samples, run_with_host
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
-from vllm_mimo.block_manager.host_tier import HostTier, host_full
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout
+from vllm_mimo.kv_cache.tiers.host import HostTier, host_full
 
 
 def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False, grid: int = 0) -> HybridKVCacheManager:
@@ -168,8 +168,8 @@ def test_grid_points_and_prompt_ends_given_up_on_before_they_served_are_dropped_
     """A grid point or a prompt's end (passed by its own output) demoted before it served is
     not worth a window of host memory; everything else the device evicts goes to host, output
     ends included (a next turn continues from one)."""
-    from vllm_mimo.block_manager.anchors import AnchorKind, AnchorState
-    from vllm_mimo.block_manager.base import CacheObserver
+    from vllm_mimo.kv_cache.anchors import AnchorKind, AnchorState
+    from vllm_mimo.kv_cache.contract import CacheObserver
 
     m = _manager(host_pages=4000, grid=2 * BLOCK)
     evicted = []
@@ -295,7 +295,7 @@ def test_an_anchor_evicted_in_the_step_that_cached_it_is_not_stored(forward_ran)
     """vLLM caches a step's positions when it schedules them; their KV exists only after that
     step's forward, while the step's stores run before it. An anchor evicted before then is
     dropped, not stored (garbage on host would be loaded later as a wrong prefix)."""
-    from vllm_mimo.block_manager.base import EvictionCause
+    from vllm_mimo.kv_cache.contract import EvictionCause
 
     m = _manager(host_pages=400)
     req = make_request("s", list(range(100, 100 + 8 * BLOCK)), max_tokens=1)

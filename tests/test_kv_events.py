@@ -1,4 +1,4 @@
-"""KV cache events (`vllm_mimo.block_manager.kv_events`): what the plugin's manager publishes
+"""KV cache events (`vllm_mimo.engine.kv_events`): what the plugin's manager publishes
 equals what it holds, per KV cache group and medium, and a subscriber applying vLLM's hybrid hit
 rule to the events predicts the manager's window-safe hit.
 
@@ -111,9 +111,9 @@ def test_events_replay_to_what_the_manager_holds_and_predict_its_hits(full_block
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from tests.kv_helpers import BLOCK, kv_config, make_request
-    from vllm_mimo.block_manager.adapter import HybridKVCacheManager
     from vllm_mimo.compat import RequestStatus
     from vllm_mimo.config import MimoConfig
+    from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 
     m = HybridKVCacheManager(
         kv_config(60, full_block=full_block), 4096, full_block, BLOCK, max_num_running=4, host_pages=120,

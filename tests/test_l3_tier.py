@@ -1,4 +1,4 @@
-"""The L3 tier's policy (`vllm_mimo.block_manager.l3`, in `host_tier.HostTier`) through the
+"""The L3 tier's policy (`vllm_mimo.kv_cache.tiers.l3`, in `host_tier.HostTier`) through the
 manager, over an in-memory store: what the host evicts goes to L3, a hit runs past the host
 into what L3 holds and is loaded through host pages of its own, another instance sharing the
 store loads what one demoted, and a store that lost pages or a host without room never gives a
@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from tests.kv_helpers import BLOCK, DictL3, kv_config, make_request, manager, run_with_host
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.base import HOST, L3
 from vllm_mimo.compat import maybe_convert_block_hash
 from vllm_mimo.config import MimoConfig
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.prefix_tree import HOST, L3
 
 
 def _manager(l3: DictL3, host_pages: int = 40, num_blocks: int = 40):

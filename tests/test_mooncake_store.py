@@ -168,11 +168,11 @@ HOST_TIER = {"host_tier_gib": 1}
 
 
 def test_l3_settings_from_config():
-    assert MimoConfig.from_sources(None, environ={}).l3_settings() is None
+    assert L3Settings.of(MimoConfig.from_sources(None, environ={})) is None
     cfg = MimoConfig.from_sources({"mimo": {**HOST_TIER, "l3_master": "10.0.0.5:50051", "l3_gib": 4}}, environ={})
-    assert cfg.l3_settings() == L3Settings(master="10.0.0.5:50051", metadata="P2PHANDSHAKE", gib=4.0)
+    assert L3Settings.of(cfg) == L3Settings(master="10.0.0.5:50051", metadata="P2PHANDSHAKE", gib=4.0)
     env = {"VLLM_MIMO_HOST_TIER_GIB": "1", "VLLM_MIMO_L3_MASTER": "store:1", "VLLM_MIMO_L3_METADATA": "http://meta:8080/metadata"}
-    assert MimoConfig.from_sources(None, environ=env).l3_settings() == L3Settings("store:1", "http://meta:8080/metadata", 0.0)
+    assert L3Settings.of(MimoConfig.from_sources(None, environ=env)) == L3Settings("store:1", "http://meta:8080/metadata", 0.0)
 
 
 @pytest.mark.parametrize(

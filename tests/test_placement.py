@@ -1,4 +1,4 @@
-"""Anchor placement (`vllm_mimo.block_manager.placement`): an anchor's worth and reach, which new
+"""Anchor placement (`vllm_mimo.kv_cache.anchor_policy`): an anchor's worth and reach, which new
 anchors start demoted, what evicted anchors teach, and the parsing of requests' anchor hints."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ from types import SimpleNamespace
 import pytest
 
 from tests.kv_helpers import BLOCK, chain
-from vllm_mimo.block_manager.anchors import (
-    Anchor,
-    AnchorKind,
-    AnchorSet,
-)
-from vllm_mimo.block_manager.base import ANCHOR_BUDGET
-from vllm_mimo.block_manager.placement import (
+from vllm_mimo.kv_cache.anchor_policy import (
     AnchorHintError,
     AnchorPlacement,
     declared_anchors,
 )
-from vllm_mimo.block_manager.prefix_tree import PrefixTree
+from vllm_mimo.kv_cache.anchors import (
+    Anchor,
+    AnchorKind,
+    AnchorSet,
+)
+from vllm_mimo.kv_cache.contract import ANCHOR_BUDGET
+from vllm_mimo.kv_cache.prefix_tree import PrefixTree
 
 
 def test_an_anchor_is_worth_the_tokens_it_alone_makes_reachable_per_block_it_keeps():
@@ -43,7 +43,7 @@ def test_a_new_speculative_anchor_starts_demoted_when_share_times_reach_is_under
     positions it reaches back) against a quarter of a grid interval: an output end of a long
     conversation starts live whatever its kind's share, a short one does not; a grid point
     starts demoted once its kind's share is under USEFUL_SHARE; declared anchors never do."""
-    from vllm_mimo.block_manager.placement import USEFUL_SHARE
+    from vllm_mimo.kv_cache.anchor_policy import USEFUL_SHARE
 
     tree = PrefixTree()
     nodes = chain(tree, 600)
@@ -69,7 +69,7 @@ def test_a_prompt_tail_looks_back_further_and_is_worth_what_tails_of_its_length_
     """Long prompts' tails serve (a tool loop's next turn), short ones' do not (a last turn):
     the share is learned per depth band, evicted tails a later request passes included; a tail
     looks back up to TAIL_REACH positions."""
-    from vllm_mimo.block_manager.placement import BAND_PRIOR, TAIL_REACH
+    from vllm_mimo.kv_cache.anchor_policy import BAND_PRIOR, TAIL_REACH
 
     tree = PrefixTree()
     nodes = chain(tree, 200)

@@ -1,11 +1,11 @@
-"""The block pools (`vllm_mimo.block_manager.pools`): the SWA/Full split of the block ids, borrowing
+"""The block pools (`vllm_mimo.kv_cache.pools`): the SWA/Full split of the block ids, borrowing
 across it, and its bounds."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_mimo.block_manager.pools import BlockPools, Pool
+from vllm_mimo.kv_cache.pools import BlockPools, Pool
 
 
 def test_pools_split_the_ids_and_keep_the_null_block_out():

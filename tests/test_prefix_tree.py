@@ -1,10 +1,10 @@
-"""The prefix tree (`vllm_mimo.block_manager.prefix_tree`): window-safe hit lengths, matching, Full
+"""The prefix tree (`vllm_mimo.kv_cache.prefix_tree`): window-safe hit lengths, matching, Full
 eviction order, and pruning."""
 
 from __future__ import annotations
 
 from tests.kv_helpers import chain
-from vllm_mimo.block_manager.prefix_tree import PrefixTree, window_safe_blocks
+from vllm_mimo.kv_cache.prefix_tree import PrefixTree, window_safe_blocks
 
 
 def test_window_safe_length_needs_the_window_before_it():

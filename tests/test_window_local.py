@@ -557,7 +557,7 @@ def _batches(ids: list[int], longest: int = 6000) -> list[list]:
 def keep_one_position_fewer() -> None:
     """The negative control's manager (run in the engine's process): every request's SWA
     window starts one position later than the attention path reads."""
-    from vllm_mimo.block_manager.cache import HybridKVCache
+    from vllm_mimo.kv_cache.cache import HybridKVCache
 
     start = HybridKVCache.window_start
     HybridKVCache.window_start = lambda self, processed: start(self, processed) + 1  # type: ignore[method-assign]

@@ -157,7 +157,7 @@ _LAZY = {
     "KVConnectorOutput": ("vllm.v1.outputs", "KVConnectorOutput"),
     "KVTransferConfig": ("vllm.config", "KVTransferConfig"),
     "get_tensor_model_parallel_rank": ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank"),
-    # KV cache events (vllm_mimo.block_manager.kv_events): built only with --kv-events-config.
+    # KV cache events (vllm_mimo.engine.kv_events): built only with --kv-events-config.
     "BlockStored": ("vllm.distributed.kv_events", "BlockStored"),
     "BlockRemoved": ("vllm.distributed.kv_events", "BlockRemoved"),
     "AllBlocksCleared": ("vllm.distributed.kv_events", "AllBlocksCleared"),

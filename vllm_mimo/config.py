@@ -17,10 +17,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from vllm_mimo.offload.mooncake_store import L3Settings
+from typing import Any
 
 ENV_PREFIX = "VLLM_MIMO_"
 ADDITIONAL_CONFIG_KEY = "mimo"
@@ -276,14 +273,6 @@ class MimoConfig:
         stray = [f"{k}={getattr(self, k)!r}" for k in ("l3_gib", "l3_metadata") if getattr(self, k) != defaults[k].default]
         if stray and not self.l3_master:
             raise MimoConfigError(f'{" and ".join(stray)}: there is no L3 (l3_master=""); set l3_master or drop them')
-
-    def l3_settings(self) -> L3Settings | None:
-        """The L3's settings, None without one (`l3_master` empty)."""
-        if not self.l3_master:
-            return None
-        from vllm_mimo.offload.mooncake_store import L3Settings
-
-        return L3Settings(master=self.l3_master, metadata=self.l3_metadata, gib=self.l3_gib)
 
     @classmethod
     def keys(cls) -> dict[str, dataclasses.Field]:

@@ -65,8 +65,8 @@ def install() -> None:
 def _validate_anchor_hints_on_input() -> None:
     """Reject malformed `extra_args["mimo"]` hints where vLLM validates SamplingParams, so a
     bad request fails alone (HTTP 400, or an error from `LLM.generate`) instead of the engine."""
-    from vllm_mimo.block_manager.placement import AnchorHintError, declared_anchors
     from vllm_mimo.compat import InputProcessor, SamplingParams, VLLMValidationError
+    from vllm_mimo.kv_cache.anchor_policy import AnchorHintError, declared_anchors
 
     validate = InputProcessor._validate_params
     if getattr(validate, "_vllm_mimo_hook", False):

@@ -26,7 +26,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from vllm_mimo.block_manager.placement import AnchorHintError, declared_anchors
+from vllm_mimo.kv_cache.anchor_policy import AnchorHintError, declared_anchors
 from vllm_mimo.log import logger
 
 _prefixes: contextvars.ContextVar[list[list[dict]] | None] = contextvars.ContextVar(

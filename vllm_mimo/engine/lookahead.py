@@ -16,7 +16,7 @@ from collections.abc import Collection
 from itertools import islice
 from typing import Any
 
-from vllm_mimo.block_manager.base import KVCache
+from vllm_mimo.kv_cache.contract import KVCache
 
 
 class QueueLookahead:

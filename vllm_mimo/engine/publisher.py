@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable
 
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.engine.step_budget import StepBudget
 from vllm_mimo.log import logger
 from vllm_mimo.metrics import snapshot_path

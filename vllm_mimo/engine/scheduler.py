@@ -14,15 +14,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm_mimo.attention_backends import swa_attention_mode
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.geometry import UnsupportedKVLayout
 from vllm_mimo.compat import AsyncScheduler, Scheduler, SlidingWindowSpec
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.engine.lookahead import QueueLookahead
 from vllm_mimo.engine.pinning import pin_requests
 from vllm_mimo.engine.publisher import IntegrityAtIdle, SnapshotPublisher, manager_snapshot
 from vllm_mimo.engine.step_budget import StepBudget
+from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
 from vllm_mimo.offload.connector import MimoHostTierConnector

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from vllm_mimo.block_manager.base import KVCache
+from vllm_mimo.kv_cache.contract import KVCache
 
 
 class StepBudget:

@@ -1,6 +1,6 @@
 """The host tier's data plane: host memory, the copies, and the KV connector that moves them
 (`connector.MimoHostTierConnector`). Its index and policy, the host copies on the prefix tree's
-nodes, are `vllm_mimo.block_manager.host_tier`; the import arrow points from here to there.
+nodes, are `vllm_mimo.kv_cache.tiers.host`; the import arrow points from here to there.
 """
 
 from __future__ import annotations

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mimo import compat
-from vllm_mimo.block_manager.host_tier import LoadPlan
 from vllm_mimo.config import MimoConfig
+from vllm_mimo.kv_cache.tiers.host import LoadPlan
 from vllm_mimo.log import logger
 from vllm_mimo.offload.host_buffer import HostKVBuffer, PageCopy, host_page_bytes, host_pages
 from vllm_mimo.offload.l3_index import L3Page, MooncakeIndex, connect_l3, rank_key
+from vllm_mimo.offload.mooncake_store import L3Settings
 
 
 @dataclass
@@ -102,7 +103,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         self.mimo_config = MimoConfig.from_vllm_config(vllm_config)
         self.page_bytes = host_page_bytes(kv_cache_config)
         self.num_pages = host_pages(kv_cache_config, self.mimo_config.host_tier_gib)
-        self.l3_settings = self.mimo_config.l3_settings()
+        self.l3_settings = L3Settings.of(self.mimo_config)
         # Scheduler side.
         self.manager: Any = None
         self.l3_index: MooncakeIndex | None = None

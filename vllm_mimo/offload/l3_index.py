@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mimo.block_manager.geometry import KVGeometry
+from vllm_mimo.kv_cache.geometry import KVGeometry
 from vllm_mimo.log import logger
 from vllm_mimo.offload.mooncake_store import L3Settings, L3Unavailable, MooncakeL3, l3_key
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vllm_mimo.config import L3_MIN_GIB, P2P_HANDSHAKE, metadata_address, split_address
+from vllm_mimo.config import L3_MIN_GIB, P2P_HANDSHAKE, MimoConfig, metadata_address, split_address
 
 MIN_SEGMENT_BYTES = int(L3_MIN_GIB * (1 << 30))
 """Mooncake refuses a smaller global segment than this (0, contributing none, is allowed)."""
@@ -47,6 +47,13 @@ class L3Settings:
     protocol: str = "tcp"
     connect_timeout_s: float = 5.0
     """The bound on reaching the master (and the metadata service) before setup."""
+
+    @classmethod
+    def of(cls, config: MimoConfig) -> L3Settings | None:
+        """The L3's settings from the plugin's config, None without one (`l3_master` empty)."""
+        if not config.l3_master:
+            return None
+        return cls(master=config.l3_master, metadata=config.l3_metadata, gib=config.l3_gib)
 
 
 def l3_key(model: str, layout: str, tp_rank: int, kind: str, group: int | str, block_hash: bytes | int | str) -> str:

@@ -16,8 +16,8 @@ keep the two totals the cache's size is derived from: `unreferenced_full` and `r
 nodes.
 
 Every change of a node's Full or SWA KV between held and not held is told to the cache's
-observers where it happens (`Observers.tell_stored` / `tell_removed`: KV cache events follow
-the nodes exactly).
+observers where it happens (`KVListener`, the cache's `contract.Observers`: KV cache events
+follow the nodes exactly).
 
 Matching never mutates. Full KV past the deepest anchor of its path can never end a hit (a hit
 needs the SWA window before it): such unreferenced, unanchored leaves are the tree's Full
@@ -30,13 +30,42 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from vllm_mimo.block_manager.base import DEVICE, Observers
-from vllm_mimo.block_manager.pools import Pool
+from vllm_mimo.kv_cache.pools import Pool
+
+DEVICE = "GPU"
+"""The medium of device blocks in KV cache events: what vLLM's own manager reports for them on
+every platform (`vllm.distributed.kv_events.MEDIUM_GPU`)."""
+HOST = "CPU"
+"""The medium of the host tier's copies in KV cache events: what vLLM's CPU offloading reports
+(`MEDIUM_CPU`)."""
+L3 = "L3"
+"""The medium of pages the host tier put to the shared L3 store: stored events only. The store
+evicts on its own and tells no one, so no removal is published: a router reads L3 events as
+hints (the engine asks the store itself at each lookup)."""
 
 Blocks = tuple[int, ...]
 """The block ids of one position in one pool (one or more per group)."""
+
+
+class KVListener(Protocol):
+    """Who is told, where it happens, that nodes now hold (`tell_stored`) or no longer hold
+    (`tell_removed`) their KV of `pool` on `medium` (the cache's `contract.Observers`)."""
+
+    def tell_stored(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None: ...
+
+    def tell_removed(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None: ...
+
+
+class _NoListener:
+    """A tree nobody listens to (a tree built alone, in tests)."""
+
+    def tell_stored(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
+        pass
+
+    def tell_removed(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
+        pass
 
 
 class Node:
@@ -165,8 +194,8 @@ def position_hashes(block_hashes: Sequence[Any], stride: int, positions: int) ->
 class PrefixTree:
     """Nodes by chained block hash, their reference counts, and the Full eviction order."""
 
-    def __init__(self, observers: Observers | None = None) -> None:
-        self.observers = observers or Observers()
+    def __init__(self, observers: KVListener | None = None) -> None:
+        self.observers: KVListener = observers or _NoListener()
         """Told of every node's KV stored or removed (the cache's, shared with its host tier)."""
         self.root = Node(None, None, -1)
         self.nodes: dict[Any, Node] = {}

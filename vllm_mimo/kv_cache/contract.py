@@ -18,22 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
-    from vllm_mimo.block_manager.geometry import KVGeometry
-    from vllm_mimo.block_manager.pools import BlockPools, Pool
-    from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
-
-
-DEVICE = "GPU"
-"""The medium of device blocks in KV cache events: what vLLM's own manager reports for them on
-every platform (`vllm.distributed.kv_events.MEDIUM_GPU`)."""
-HOST = "CPU"
-"""The medium of the host tier's copies in KV cache events: what vLLM's CPU offloading reports
-(`MEDIUM_CPU`)."""
-L3 = "L3"
-"""The medium of pages the host tier put to the shared L3 store: stored events only. The store
-evicts on its own and tells no one, so no removal is published: a router reads L3 events as
-hints (the engine asks the store itself at each lookup)."""
+    from vllm_mimo.kv_cache.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
+    from vllm_mimo.kv_cache.geometry import KVGeometry
+    from vllm_mimo.kv_cache.pools import BlockPools, Pool
+    from vllm_mimo.kv_cache.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
 
 
 @dataclass(slots=True)
@@ -205,7 +193,8 @@ class Observers:
                 getattr(self, event).append(getattr(observer, event))
 
     def tell_stored(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
-        """`CacheObserver.stored`, from where the tree and the host tier set a node's KV."""
+        """`CacheObserver.stored`, from where the tree and the host tier set a node's KV (the
+        tree's `KVListener`)."""
         for stored in self.stored:
             stored(nodes, pool, medium)
 

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mimo.block_manager.base import DEVICE, HOST, L3, CacheObserver
-from vllm_mimo.block_manager.geometry import KVGeometry
-from vllm_mimo.block_manager.host_tier import host_full, host_swa
-from vllm_mimo.block_manager.pools import Pool
-from vllm_mimo.block_manager.prefix_tree import Node, PrefixTree
+from vllm_mimo.kv_cache.contract import CacheObserver
+from vllm_mimo.kv_cache.geometry import KVGeometry
+from vllm_mimo.kv_cache.pools import Pool
+from vllm_mimo.kv_cache.prefix_tree import DEVICE, HOST, L3, Node, PrefixTree
+from vllm_mimo.kv_cache.tiers.host import host_full, host_swa
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ a load wrote, and every running request's block ids against the tree's nodes.
 
 At scale (for a long fuzzing run, not the suite):
 
-    VLLM_MIMO_STATEFUL_OPS=1000000 .venv/bin/python -m pytest tests/test_block_manager_stateful.py -k at_scale -s
+    VLLM_MIMO_STATEFUL_OPS=1000000 .venv/bin/python -m pytest tests/test_kv_cache_stateful.py -k at_scale -s
 
 runs the machine until it has made that many manager calls, printing progress and, at the end,
 the count of calls, steps and invariant checks (a violation fails the run with its example).
@@ -31,10 +31,10 @@ from hypothesis.stateful import (
 
 from eval.host_dense import DenseHostTier
 from tests.kv_helpers import BLOCK, DictL3, kv_config, make_request
-from vllm_mimo.block_manager.adapter import HybridKVCacheManager
-from vllm_mimo.block_manager.host_tier import HostTier
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
+from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.tiers.host import HostTier
 
 WINDOW = 40  # 3 blocks of SWA KV before a hit
 PREFIXES = [list(range(k * 1000, k * 1000 + 5 * BLOCK + 7)) for k in range(1, 4)]

@@ -31,7 +31,7 @@ The rules, each written once here:
     is dropped, as with no host tier;
   * a load reads the Full copies past what the request adopts from the device and the SWA
     copies of the window before the load's end;
-  * with an L3 (`vllm_mimo.block_manager.l3`): what the host evicts to make room goes to L3
+  * with an L3 (`vllm_mimo.kv_cache.tiers.l3`): what the host evicts to make room goes to L3
     (the Full copies freed and the window's SWA copies), except pages whose store from the
     device is still to be made this step and copies dropped by a failed load; a hit extends past
     the host's Full copies into positions whose every Full page L3 holds, with the window before
@@ -54,11 +54,10 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mimo.block_manager.anchors import Anchor, AnchorKind, AnchorState
-from vllm_mimo.block_manager.base import HOST, L3
-from vllm_mimo.block_manager.l3 import L3Index
-from vllm_mimo.block_manager.pools import Pool
-from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
+from vllm_mimo.kv_cache.anchors import Anchor, AnchorKind, AnchorState
+from vllm_mimo.kv_cache.pools import Pool
+from vllm_mimo.kv_cache.prefix_tree import HOST, L3, Blocks, Node, PrefixTree, TreeMatch
+from vllm_mimo.kv_cache.tiers.l3 import L3Index
 
 NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
 """Anchor kinds the host does not take from the device once demoted unserved: grid points are

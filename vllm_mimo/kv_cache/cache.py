@@ -31,10 +31,11 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_mimo.block_manager.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
-from vllm_mimo.block_manager.base import (
+from vllm_mimo.config import MimoConfig, MimoConfigError
+from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
+from vllm_mimo.kv_cache.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
+from vllm_mimo.kv_cache.contract import (
     ANCHOR_BUDGET,
-    DEVICE,
     AnchorPolicy,
     CacheObserver,
     EvictionCause,
@@ -44,13 +45,11 @@ from vllm_mimo.block_manager.base import (
     RequestBlocks,
     SizeInfo,
 )
-from vllm_mimo.block_manager.geometry import KVGeometry, cdiv
-from vllm_mimo.block_manager.host_tier import Copy, HostMatch, HostTier, L3Copy, LoadPlan
-from vllm_mimo.block_manager.l3 import L3Index
-from vllm_mimo.block_manager.placement import AnchorPlacement
-from vllm_mimo.block_manager.pools import BlockPools, Pool
-from vllm_mimo.block_manager.prefix_tree import Blocks, Node, PrefixTree, TreeMatch, position_hashes
-from vllm_mimo.config import MimoConfig, MimoConfigError
+from vllm_mimo.kv_cache.geometry import KVGeometry, cdiv
+from vllm_mimo.kv_cache.pools import BlockPools, Pool
+from vllm_mimo.kv_cache.prefix_tree import DEVICE, Blocks, Node, PrefixTree, TreeMatch, position_hashes
+from vllm_mimo.kv_cache.tiers.host import Copy, HostMatch, HostTier, L3Copy, LoadPlan
+from vllm_mimo.kv_cache.tiers.l3 import L3Index
 
 _NO_MATCH = TreeMatch([], 0)
 

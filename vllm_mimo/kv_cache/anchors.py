@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
-from vllm_mimo.block_manager.prefix_tree import Node
+from vllm_mimo.kv_cache.prefix_tree import Node
 
 
 class AnchorKind(str, Enum):  # noqa: UP042

@@ -12,17 +12,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mimo.block_manager.base import AnchorPolicy, CacheObserver
-from vllm_mimo.block_manager.cache import HybridKVCache
-from vllm_mimo.block_manager.geometry import KVGeometry, UnsupportedKVLayout, cdiv
-from vllm_mimo.block_manager.host_tier import Copy, HostTier
-from vllm_mimo.block_manager.kv_events import KVEventRecorder
-from vllm_mimo.block_manager.l3 import L3Index
-from vllm_mimo.block_manager.metrics import KVManagerMetrics
-from vllm_mimo.block_manager.placement import AnchorPlacement
-from vllm_mimo.block_manager.prefix_tree import Blocks
 from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats, RequestStatus
 from vllm_mimo.config import MimoConfig
+from vllm_mimo.engine.kv_events import KVEventRecorder
+from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
+from vllm_mimo.kv_cache.cache import HybridKVCache
+from vllm_mimo.kv_cache.contract import AnchorPolicy, CacheObserver
+from vllm_mimo.kv_cache.counters import KVManagerMetrics
+from vllm_mimo.kv_cache.geometry import KVGeometry, UnsupportedKVLayout, cdiv
+from vllm_mimo.kv_cache.prefix_tree import Blocks
+from vllm_mimo.kv_cache.tiers.host import Copy, HostTier
+from vllm_mimo.kv_cache.tiers.l3 import L3Index
 
 
 def _group_slices(geometry: KVGeometry, group_ids: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
@@ -91,7 +91,7 @@ class HybridKVCacheManager:
         `host_pages`: the host tier (`HybridKVCache`; in the engine the plugin's connector,
         `vllm_mimo.offload`, moves the bytes);
         `anchor_policy`, `host_tier`: what builds them (`HybridKVCache`);
-        `l3`: the shared store behind the host tier (`vllm_mimo.block_manager.l3`; in the engine
+        `l3`: the shared store behind the host tier (`vllm_mimo.kv_cache.tiers.l3`; in the engine
         the connector sets it once it has reached the store: `HostTier.l3`);
         `enable_kv_cache_events`: record vLLM's KV cache events (`kv_events`, `take_events`)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
