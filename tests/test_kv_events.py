@@ -223,6 +223,13 @@ def test_published_events_equal_what_the_manager_holds(engine_run):
 
 
 @pytest.mark.engine
+def test_vllm_mimo_events_prints_every_event_as_a_line(engine_run):
+    """`vllm-mimo events ENDPOINT` (README's subscriber), connected beside the test's own, printed
+    every event of every batch, in order, as one JSON line each."""
+    assert engine_run["cli_events"] > 0 and engine_run["cli_equal"], engine_run["cli_events"]
+
+
+@pytest.mark.engine
 def test_the_subscriber_predicts_the_managers_window_safe_hit(engine_run):
     probes = engine_run["probes"]
     assert all(p["predicted"] == p["manager"] for p in probes), probes
@@ -235,6 +242,8 @@ def test_the_subscriber_predicts_the_managers_window_safe_hit(engine_run):
 
 def main() -> None:
     """The engine run (this file as a script): a JSON job on stdin, `RESULT {...}` on stdout."""
+    import signal
+    import tempfile
     import threading
     import time
 
@@ -248,9 +257,10 @@ def main() -> None:
     from vllm.v1.request import Request
 
     job = json.loads(sys.stdin.read())
-    # vLLM's publisher connects to an endpoint without "*", so the subscriber binds it.
+    # vLLM's publisher binds an ipc:// endpoint (as one with "*"), so both subscribers connect:
+    # this one and `vllm-mimo events` (README's), whose lines must carry the same events.
+    endpoint = f"ipc://{tempfile.mkdtemp(prefix='kv-events-')}/engine"
     socket = zmq.Context.instance().socket(zmq.SUB)
-    port = socket.bind_to_random_port("tcp://127.0.0.1")
     socket.setsockopt(zmq.SUBSCRIBE, b"kv")
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     received: list = []  # (seq, events)
@@ -262,11 +272,12 @@ def main() -> None:
             received.append((int.from_bytes(seq, "big"), decoder.decode(payload).events))
             last[0] = time.monotonic()
 
-    threading.Thread(target=subscribe, daemon=True).start()
-    events_config = KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}", topic="kv"
-    )
+    events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic="kv")
     llm = LLM(job["model"], kv_events_config=events_config, **ENGINE)
+    socket.connect(endpoint)
+    threading.Thread(target=subscribe, daemon=True).start()
+    cli = subprocess.Popen([str(Path(sys.executable).with_name("vllm-mimo")), "events", endpoint, "--topic", "kv"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     core = llm.llm_engine.engine_core.engine_core
     manager, publisher = core.scheduler.kv_cache_manager, core.scheduler.kv_event_publisher
     held: dict = {}
@@ -321,7 +332,13 @@ def main() -> None:
     missed: dict = {}
     replay(events[:last_swa] + events[last_swa + 1 :], missed)
     seqs = [seq for seq, _ in received]
+    cli.send_signal(signal.SIGINT)
+    lines = [json.loads(line) for line in cli.communicate(timeout=60)[0].splitlines()]
     print("RESULT " + json.dumps({
+        "cli_events": len(lines),
+        "cli_equal": [(line["seq"], line["type"], line.get("group_idx"), line.get("medium"), line.get("block_hashes"))
+                      for line in lines] == [(seq, type(e).__name__, getattr(e, "group_idx", None), getattr(e, "medium", None),
+                                              getattr(e, "block_hashes", None)) for seq, batch in received for e in batch],
         "checks": checks,
         "probes": probes,
         "kinds": {str(g): kind for g, (kind, _, _) in groups.items()},

@@ -38,8 +38,9 @@ ARGS = ("--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes",
 def servers(tiny_models, tmp_path_factory):
     pin_file = tmp_path_factory.mktemp("pins") / "pins.jsonl"
     pin_file.write_text(json.dumps({"messages": [{"role": "system", "content": PINNED_SYSTEM}]}) + "\n")
-    on = VllmServer(tiny_models["mimo"], *ARGS, "--additional-config",
-                    json.dumps({"mimo": {"pin_prompts_file": str(pin_file)}}))
+    # With a plugin variable set, vLLM's strict check of VLLM_* variables passes.
+    on = VllmServer(tiny_models["mimo"], *ARGS, "--fail-on-environ-validation", "--additional-config",
+                    json.dumps({"mimo": {"pin_prompts_file": str(pin_file)}}), env={"VLLM_MIMO_SYSTEM_PROMPT_ANCHOR": "1"})
     off = VllmServer(tiny_models["mimo"], *ARGS, env={"VLLM_MIMO_ENABLE": "0"})
     with on, off:
         _wait_for_pins(on)
@@ -134,3 +135,66 @@ def test_manager_metrics_on_the_metrics_endpoint(servers):
                  "vllm:mimo_pool_evicted_blocks_total"):
         assert name in text, name
     assert "vllm:mimo_" not in requests.get(servers["off"].url + "/metrics", timeout=10).text
+
+
+def test_plugin_environment_variables_are_known_to_vllm(servers):
+    """The plugin-on server started with `--fail-on-environ-validation` and a plugin variable
+    set; neither server (the other has VLLM_MIMO_ENABLE=0) warned about an unknown variable."""
+    for server in servers.values():
+        assert "Unknown vLLM environment variable" not in server.log_text()
+
+
+def _bad_request(server: VllmServer, path: str, body: dict) -> dict:
+    """POST a request the plugin must refuse; returns its error object (status 400 checked)."""
+    r = requests.post(server.url + path, json={"model": "tiny", "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, (r.status_code, r.text)
+    error = r.json()["error"]
+    return error
+
+
+def test_anchor_hint_past_the_prompt_is_a_400_naming_position_and_length(servers):
+    server = servers["on"]
+    prompt = "def parse(text):"
+    length = requests.post(server.url + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=10).json()["count"]
+    error = _bad_request(server, "/v1/completions",
+                         {"prompt": prompt, "vllm_xargs": {"mimo": json.dumps({"anchors": [4, 99999]})}})
+    assert "position 99999 is past the end of the prompt" in error["message"], error
+    assert f"which has {length} tokens" in error["message"], error
+    assert error["param"] == 'extra_args["mimo"]', error
+    # The prompt's own end is an anchor position like any other.
+    ok = requests.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "vllm_xargs": {"mimo": json.dumps({"anchors": [length]})}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_every_plugin_400_names_its_param(servers):
+    server = servers["on"]
+    malformed = _bad_request(server, "/v1/completions", {"prompt": "x", "vllm_xargs": {"mimo": json.dumps({"anchors": [-1]})}})
+    assert malformed["param"] == 'extra_args["mimo"]', malformed
+    bad_mark = {"type": "text", "text": "hello", "cache_control": {"type": "persistent"}}
+    chat = _bad_request(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [bad_mark]}]})
+    assert chat["param"] == "messages[0].content[0].cache_control", chat
+    assert "cache_control must be" in chat["message"], chat
+    # Anthropic's error object has no `param`: the message names the place.
+    messages = _bad_request(server, "/v1/messages", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, bad_mark]}]})
+    assert messages["message"].startswith("messages[0].content[1]: cache_control must be"), messages
+
+
+def test_startup_lines_agree_with_vllms_and_read_as_the_plugins(servers):
+    """The plugin's capacity line quotes vLLM's "KV cache size" figure and says why its own is
+    larger (window-local SWA attention holds a request's window only); its lines name the
+    plugin's files, not a bare `scheduler.py` that reads as vLLM's; the custom-scheduler warning
+    is answered."""
+    import re
+
+    log = servers["on"].log_text()
+    (vllm_tokens,) = re.findall(r"CPU KV cache size: ([\d,]+) tokens", log)
+    (capacity,) = [line for line in log.splitlines() if "vllm-mimo: KV capacity:" in line]
+    ours = re.search(r"KV capacity: ([\d,]+) tokens, concurrency ([\d.]+)x for 2,048-token requests", capacity)
+    assert ours and f"vLLM's 'KV cache size: {vllm_tokens} tokens' counts" in capacity, capacity
+    assert int(ours.group(1).replace(",", "")) > int(vllm_tokens.replace(",", "")), capacity
+    plugin_lines = [line for line in log.splitlines() if "] vllm-mimo: " in line]
+    assert plugin_lines and all("[vllm_mimo/" in line for line in plugin_lines), plugin_lines
+    assert "Using custom scheduler class vllm_mimo.engine.scheduler.MimoScheduler" in log
+    assert "scheduler MimoScheduler (vLLM's Scheduler: async scheduling is off" in log

@@ -161,11 +161,14 @@ _LAZY = {
     "BlockStored": ("vllm.distributed.kv_events", "BlockStored"),
     "BlockRemoved": ("vllm.distributed.kv_events", "BlockRemoved"),
     "AllBlocksCleared": ("vllm.distributed.kv_events", "AllBlocksCleared"),
+    "KVEventBatch": ("vllm.distributed.kv_events", "KVEventBatch"),  # decoded by `vllm-mimo events`
     "maybe_convert_block_hash": ("vllm.v1.core.kv_cache_utils", "maybe_convert_block_hash"),
     "generate_block_hash_extra_keys": ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys"),
     "to_event_extra_keys": ("vllm.v1.core.kv_cache_utils", "to_event_extra_keys"),
     "get_kv_cache_spec_kind": ("vllm.v1.kv_cache_interface", "get_kv_cache_spec_kind"),
     "get_kv_cache_spec_sliding_window": ("vllm.v1.kv_cache_interface", "get_kv_cache_spec_sliding_window"),
+    # vLLM's own capacity figure, quoted beside the plugin's (vllm_mimo.engine.scheduler).
+    "get_max_concurrency_for_kv_cache_config": ("vllm.v1.core.kv_cache_utils", "get_max_concurrency_for_kv_cache_config"),
     "custom_ops": ("vllm._custom_ops", None),
     "vllm_envs": ("vllm.envs", None),
 }

@@ -279,6 +279,11 @@ class MimoConfig:
         return {f.name: f for f in dataclasses.fields(cls)}
 
     @classmethod
+    def env_names(cls) -> list[str]:
+        """The environment variables that set a key: `VLLM_MIMO_<KEY>`, sorted."""
+        return sorted(ENV_PREFIX + key.upper() for key in cls.keys())
+
+    @classmethod
     def from_sources(
         cls,
         additional_config: Any = None,
@@ -301,7 +306,7 @@ class MimoConfig:
                 continue
             key = name[len(ENV_PREFIX) :].lower()
             if key not in fields:
-                allowed = ", ".join(ENV_PREFIX + k.upper() for k in sorted(fields))
+                allowed = ", ".join(cls.env_names())
                 raise MimoConfigError(
                     f"unknown vllm-mimo environment variable {name}={raw!r}; allowed: {allowed}"
                 )

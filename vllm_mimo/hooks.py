@@ -10,6 +10,7 @@ plugin's startup line from that scheduler.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -19,6 +20,9 @@ from vllm_mimo.log import logger
 SCHEDULER_CLS, ASYNC_SCHEDULER_CLS = PLUGIN_SCHEDULERS
 
 _registered_in_pid: int | None = None
+
+HINTS_PARAM = 'extra_args["mimo"]'
+"""The request parameter named by HTTP 400s for anchor hints (`vllm_xargs` over HTTP)."""
 
 
 def registered() -> bool:
@@ -36,6 +40,7 @@ def install() -> None:
     global _registered_in_pid
     if registered():
         return
+    register_env_names()
     if disabled_by_env():
         logger.debug("vllm-mimo: disabled by %sENABLE", ENV_PREFIX)
         return
@@ -62,13 +67,26 @@ def install() -> None:
     _registered_in_pid = os.getpid()
 
 
+def register_env_names() -> None:
+    """Make the plugin's `VLLM_MIMO_<KEY>` variables known to vLLM's check of `VLLM_*` variables
+    (`Platform.validate_environ` against `vllm.envs.environment_variables`: a warning per
+    unknown name, a ValueError with `--fail-on-environ-validation`). Done even when the plugin
+    is disabled, since `VLLM_MIMO_ENABLE=0` is one of them; only the configuration's keys, so a
+    misspelled name stays unknown to vLLM as it is to `MimoConfig`."""
+    from vllm_mimo.compat import vllm_envs
+
+    for name in MimoConfig.env_names():
+        vllm_envs.environment_variables.setdefault(name, functools.partial(os.environ.get, name))
+
+
 def _validate_anchor_hints_on_input() -> None:
-    """Reject malformed `extra_args["mimo"]` hints where vLLM validates SamplingParams, so a
-    bad request fails alone (HTTP 400, or an error from `LLM.generate`) instead of the engine."""
+    """Reject malformed `extra_args["mimo"]` hints where vLLM validates SamplingParams, and
+    anchor positions past the prompt's end once its tokens are known, so a bad request fails
+    alone (HTTP 400 with `param` set, or an error from `LLM.generate`) instead of the engine."""
     from vllm_mimo.compat import InputProcessor, SamplingParams, VLLMValidationError
     from vllm_mimo.kv_cache.anchor_policy import AnchorHintError, declared_anchors
 
-    validate = InputProcessor._validate_params
+    validate, process = InputProcessor._validate_params, InputProcessor.process_inputs
     if getattr(validate, "_vllm_mimo_hook", False):
         return
 
@@ -77,11 +95,56 @@ def _validate_anchor_hints_on_input() -> None:
             try:
                 declared_anchors(params.extra_args)
             except AnchorHintError as e:
-                raise VLLMValidationError(str(e), parameter='extra_args["mimo"]') from None
+                raise VLLMValidationError(str(e), parameter=HINTS_PARAM) from None
         return validate(self, params, *args, **kwargs)
+
+    def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        request = process(self, request_id, prompt, params, *args, **kwargs)
+        length = len(request.prompt_token_ids) if request.prompt_token_ids is not None else None
+        if isinstance(params, SamplingParams) and length is not None:
+            past = [p for p in declared_anchors(params.extra_args)[0] if p > length]
+            if past:
+                raise VLLMValidationError(
+                    f'extra_args["mimo"]["anchors"]: position {past[0]} is past the end of the prompt, '
+                    f"which has {length} tokens (an anchor keeps the window before a position in the prompt)",
+                    parameter=HINTS_PARAM,
+                )
+        return request
 
     _validate_params._vllm_mimo_hook = True  # type: ignore[attr-defined]
     InputProcessor._validate_params = _validate_params
+    InputProcessor.process_inputs = process_inputs
+
+
+def refuse_other_connector(vllm_config: Any) -> None:
+    """The plugin's KV manager takes external KV only from its own connector (the host tier);
+    with any other KV connector (`--kv-transfer-config`, vLLM's `--kv-offloading-size`, LMCache,
+    P/D connectors) it would have to leave vLLM's manager in place and every plugin feature off,
+    so startup stops instead, naming the connector and the two ways on: the plugin off for this
+    model, or the plugin's own host tier in place of vLLM's CPU offloading. vLLM's MultiConnector
+    does not change this, even with the plugin's connector first: it binds every child to the
+    same KV manager and lets the first child that reports a hit load it, but this manager reads
+    every external token as its host tier's (`HybridKVCacheManager.allocate_slots`), so another
+    child's load would be taken for a host-tier load."""
+    from vllm_mimo.offload import CONNECTOR
+
+    transfer = vllm_config.kv_transfer_config
+    name = None if transfer is None else transfer.kv_connector
+    if name is None or name == CONNECTOR:
+        return
+    offloading = vllm_config.cache_config.kv_offloading_size
+    hint = (
+        f" (set by --kv-offloading-size {offloading:g}: the plugin's host tier does that job, "
+        f"--additional-config '{{\"mimo\": {{\"host_tier_gib\": {offloading:g}}}}}' instead)"
+        if offloading is not None
+        else ""
+    )
+    raise MimoConfigError(
+        f"the KV connector {name}{hint} cannot run beside the plugin's KV manager, which takes KV from no "
+        f"other connector; to keep {name}, turn the plugin off for this model with "
+        f"--additional-config '{{\"mimo\": {{\"enable\": false}}}}' (vLLM's own KV manager and every "
+        "connector then work as without the plugin)"
+    )
 
 
 def configure(vllm_config: Any) -> None:
@@ -130,6 +193,8 @@ def configure(vllm_config: Any) -> None:
     attention_backends.configure(vllm_config, config)
     setup.configure(vllm_config, config.mtp_all_layers)
     scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.scheduler_cls in (None, SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
+        refuse_other_connector(vllm_config)
     if scheduler_config.scheduler_cls in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
         return  # a config rebuilt from one this hook already configured
     if scheduler_config.scheduler_cls is not None:

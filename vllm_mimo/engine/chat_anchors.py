@@ -54,7 +54,12 @@ def _as_dict(message: Any) -> dict:
 
 
 class CacheControlError(ValueError):
-    """A `cache_control` marker the plugin does not understand (the request gets HTTP 400)."""
+    """A `cache_control` marker the plugin does not understand (the request gets HTTP 400 whose
+    `param` is where it is, e.g. `messages[0].content[1].cache_control`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 _CACHE_CONTROL_TTLS = ("5m", "1h")
@@ -72,7 +77,8 @@ def check_cache_control(value: Any, where: str) -> None:
     if not ok:
         raise CacheControlError(
             f'{where}: cache_control must be {{"type": "ephemeral"}}, optionally with "ttl" one of '
-            f"{list(_CACHE_CONTROL_TTLS)}, got {value!r}"
+            f"{list(_CACHE_CONTROL_TTLS)}, got {value!r}",
+            param=f"{where}.cache_control",
         )
 
 
@@ -141,7 +147,7 @@ def install(system_anchor: bool) -> None:
         try:
             prefixes = anchor_prefixes(request.messages, _system_anchor) + (_prefixes.get() or [])
         except CacheControlError as e:
-            return self.create_error_response(str(e))
+            return self.create_error_response(str(e), param=e.param)
         positions = set()
         for prefix in prefixes:
             try:
@@ -179,7 +185,7 @@ def install(system_anchor: bool) -> None:
             try:
                 _prefixes.set(await _anthropic_prefixes(self, request, raw_request))
             except CacheControlError as e:
-                return self.create_error_response(str(e))
+                return self.create_error_response(str(e), param=e.param)
         return await create_messages(self, request, raw_request)
 
     OpenAIServingChat.render_chat_request = render_chat_request

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm_mimo.attention_backends import swa_attention_mode
-from vllm_mimo.compat import AsyncScheduler, Scheduler, SlidingWindowSpec
+from vllm_mimo.compat import AsyncScheduler, Scheduler, SlidingWindowSpec, get_max_concurrency_for_kv_cache_config
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.doctor import log_startup_warnings
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
@@ -22,7 +22,7 @@ from vllm_mimo.engine.lookahead import QueueLookahead
 from vllm_mimo.engine.pinning import pin_requests
 from vllm_mimo.engine.publisher import IntegrityAtIdle, SnapshotPublisher, manager_snapshot
 from vllm_mimo.engine.step_budget import StepBudget
-from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout
+from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout, cdiv
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
 from vllm_mimo.offload.connector import MimoHostTierConnector
@@ -79,14 +79,19 @@ class _MimoSchedulerMixin(_SchedulerBase):
             self.mimo_acceptance = AcceptanceByBucket(vllm_config.speculative_config.num_speculative_tokens)
         self._install_manager(chunk_tokens)
         logger.info(
-            "vllm-mimo: hybrid SWA model %s: %s; %d KV cache groups; features on: %s",
+            "vllm-mimo: hybrid SWA model %s: %s; %d KV cache groups; features on: %s; scheduler %s "
+            "(vLLM's %s: async scheduling is %s, so vLLM's 'custom scheduler class' warning costs nothing here)",
             model,
             self.mimo_layout.describe(),
             len(self.kv_cache_config.kv_cache_groups),
             ", ".join(self.mimo_features()) or "none",
+            type(self).__name__,
+            "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler",
+            "on" if scheduler_config.async_scheduling else "off",
         )
         if self.mimo_manager is not None:
             self._log_pools(self.mimo_manager)
+            self._log_capacity(self.mimo_manager)
         swa_path = swa_attention_mode(self.mimo_config)
         logger.info(
             "vllm-mimo: SWA attention (swa_attention): %s",
@@ -253,6 +258,37 @@ class _MimoSchedulerMixin(_SchedulerBase):
             "/".join(str(size) for size in sorted(set(geometry.group_block_sizes))),
             geometry.window,
             cache.anchor_budget_blocks,
+        )
+
+    def _log_capacity(self, manager: HybridKVCacheManager) -> None:
+        """The capacity to read beside vLLM's "KV cache size: N tokens" line, which counts how many
+        max_model_len-token requests fit when each takes, in every KV cache group, the blocks its
+        attention needs at most: for an SWA group under stock attention, the window plus a whole
+        prefill chunk (read back from the cache). With window-local SWA attention a request holds
+        only its window, so the same blocks hold more requests; with stock attention both agree."""
+        vllm_config, cache = self.vllm_config, manager.cache
+        length = self.max_model_len
+        vllm_concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, self.kv_cache_config)
+        vllm_tokens = int(vllm_concurrency * length)
+        if not cache.window_local:
+            logger.info(
+                "vllm-mimo: KV capacity: %s tokens, concurrency %.2fx for %s-token requests, as vLLM's "
+                "'KV cache size' line (stock SWA attention: each request holds its window and its prefill chunk)",
+                f"{vllm_tokens:,}", vllm_concurrency, f"{length:,}",
+            )
+            return
+        geometry = cache.geometry
+        full = cdiv(length, geometry.block_size) * geometry.full_ids_per_position
+        swa = geometry.swa_blocks_per_request
+        vllm_swa = sum(
+            cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes) for _, spec in self._mimo_swa_groups()
+        )
+        concurrency = self.kv_cache_config.num_blocks / (full + swa)
+        logger.info(
+            "vllm-mimo: KV capacity: %s tokens, concurrency %.2fx for %s-token requests, each holding %d Full "
+            "and %d SWA blocks (window-local SWA attention: its windows only); vLLM's 'KV cache size: %s tokens' "
+            "counts %d SWA blocks per request, the prefill chunk its stock SWA attention reads back from the cache",
+            f"{int(concurrency * length):,}", concurrency, f"{length:,}", full, swa, f"{vllm_tokens:,}", vllm_swa,
         )
 
     def _mimo_publish(self, force: bool = False) -> None:

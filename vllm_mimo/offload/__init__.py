@@ -31,8 +31,8 @@ def check_host_tier_gib(gib: float) -> None:
 
 def configure(vllm_config: Any, config: MimoConfig) -> None:
     """With `host_tier_gib > 0` (checked by `check_host_tier_gib`): install the plugin's KV
-    connector in the config (refused if the user configured another connector or turned prefix
-    caching off)."""
+    connector in the config (refused if prefix caching is off; another connector is refused
+    before, for every hybrid model, by `hooks.refuse_other_connector`)."""
     if not config.host_tier_gib:
         return
     from vllm_mimo.compat import KVTransferConfig
@@ -40,12 +40,6 @@ def configure(vllm_config: Any, config: MimoConfig) -> None:
     transfer = vllm_config.kv_transfer_config
     if transfer is not None and transfer.kv_connector == CONNECTOR:
         return  # a config rebuilt from one this hook already configured
-    if transfer is not None and transfer.kv_connector is not None:
-        raise MimoConfigError(
-            f"host_tier_gib={config.host_tier_gib:g} installs the plugin's KV connector ({CONNECTOR}), "
-            f"but --kv-transfer-config already names {transfer.kv_connector}; set host_tier_gib to 0 "
-            "or drop the other connector"
-        )
     if not vllm_config.cache_config.enable_prefix_caching:
         raise MimoConfigError(
             f"host_tier_gib={config.host_tier_gib:g} needs prefix caching, which is off "
