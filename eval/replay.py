@@ -465,6 +465,10 @@ class EngineReplay:
         self.waiting.appendleft(victim)
         self.result.preemptions += 1
 
+    def loading_from_l3(self, fetches: list) -> None:
+        """An admission's load reads these pages from L3 (`LoadPlan.fetches`); the cluster
+        replay's instances read its simulated store here."""
+
     def step_seconds(self, prefill_tokens: int, loaded_bytes: int) -> float:
         """Simulated time of a step: decode, the prefill it computes and the bytes it loads from host."""
         params = self.params
@@ -571,14 +575,15 @@ class EngineReplay:
                 offload.after_alloc(req, external)
             if external:
                 if host is not None:  # the plugin's copies (`--host-gbps`), done within the step
-                    plan = manager.cache.take_load(req.request_id)
+                    plan = manager.take_load(req.request_id)
+                    self.loading_from_l3(plan.fetches)
                     if plan.failed:  # no host pages to read L3 into: recomputed, as vLLM does a failed load
                         if req.num_preemptions == 0:
                             result.failed_load_tokens += external
                         external = 0
                     else:
                         loaded_bytes += (len(plan.full) * position_pages[0] + len(plan.swa) * position_pages[1]) * block_bytes
-                    manager.cache.finish_load(plan, failed=plan.failed)
+                    manager.finish_load(plan, failed=plan.failed)
                     host_loaded.append(req.request_id)
                 if req.num_preemptions == 0:
                     result.first_tokens[req.request_id] = FirstToken(req.arrival_time, now, hit + external)
@@ -655,7 +660,7 @@ class EngineReplay:
         result.recomputed_prefill_tokens += prefill_tokens
         self.now = now = now + self.step_seconds(prefill_tokens, loaded_bytes)
         if host is not None:
-            manager.cache.take_stores()  # device-to-host copies run beside the steps: counted, not timed
+            manager.take_stores()  # device-to-host copies run beside the steps: counted, not timed
         return self._advance(scheduled, now)
 
     def _advance(self, scheduled: dict[str, int], now: float) -> list[str]:

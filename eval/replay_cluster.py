@@ -71,6 +71,9 @@ from eval.replay import (
     simulate,
 )
 from eval.workloads import MOONCAKE_BLOCK, ReplayRequest, previous_turns
+from vllm_mimo.kv_cache.contract import CacheObserver
+from vllm_mimo.kv_cache.pools import Pool
+from vllm_mimo.kv_cache.prefix_tree import L3
 
 ENGINE = "mimo-host"
 ROUTERS = ("round-robin", "session", "kv-aware")
@@ -95,8 +98,8 @@ class L3Stats:
 
 
 class SimulatedL3:
-    """A shared KV store behind every instance's host tier (the `L3Index` protocol of
-    `vllm_mimo.kv_cache.tiers.l3`): one object per key (kind, page index, block hash) of
+    """A shared KV store behind every instance's host tier (reached through each instance's
+    `L3Client`): one object per key (kind, page index, block hash) of
     `key_bytes` (one host page: a device block's bytes in every layer of its group), at most `capacity_bytes`,
     least recently put or got evicted first. `contains` does not count as a use."""
 
@@ -134,12 +137,16 @@ class SimulatedL3:
         self.stats.bytes_got += len(keys) * self.key_bytes
 
 
-class L3Client:
-    """One instance's handle on the shared store: the same protocol, and the bytes this
-    instance's loads read since the last `take_got_bytes` (its steps' L3 load time)."""
+class L3Client(CacheObserver):
+    """One instance's handle on the shared store: the `L3Index` its host tier asks
+    (`HybridKVCacheManager.attach_l3`), and what its worker would do: the pages its host tier
+    puts (its `stored` events on medium L3, as they happen) go into the store, and the pages its
+    loads read (`got`) are counted as bytes since the last `take_got_bytes` (its steps' L3 load
+    time)."""
 
-    def __init__(self, store: SimulatedL3) -> None:
+    def __init__(self, store: SimulatedL3, full_pages: int, swa_pages: int) -> None:
         self.store = store
+        self.pages = {Pool.FULL: ("full", full_pages), Pool.SWA: ("swa", swa_pages)}
         self.got_bytes = 0
 
     def key(self, kind: str, index: int, block_hash: Any) -> Hashable:
@@ -148,8 +155,10 @@ class L3Client:
     def contains(self, keys: Sequence[Hashable]) -> list[bool]:
         return self.store.contains(keys)
 
-    def put(self, keys: Sequence[Hashable]) -> None:
-        self.store.put(keys)
+    def stored(self, nodes: Sequence[Any], pool: Pool, medium: str) -> None:
+        if medium == L3:
+            kind, pages = self.pages[pool]
+            self.store.put([self.key(kind, i, node.block_hash) for node in nodes for i in range(pages)])
 
     def got(self, keys: Sequence[Hashable]) -> None:
         self.store.got(keys)
@@ -225,9 +234,16 @@ class Instance(EngineReplay):
                  params: SimParams, l3: SimulatedL3 | None, l3_gbps: float, events: bool) -> None:
         from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 
-        self.l3 = L3Client(l3) if l3 is not None else None
-        factory = functools.partial(HybridKVCacheManager, l3=self.l3, enable_kv_cache_events=events)
+        factory = functools.partial(HybridKVCacheManager, enable_kv_cache_events=events)
         super().__init__(ENGINE, layout, kv_gib, requests, ideal, params, mimo_factory=factory)
+        self.l3: L3Client | None = None
+        if l3 is not None:
+            geometry = self.manager.geometry
+            self.l3 = L3Client(l3, geometry.full_ids_per_position, geometry.swa_ids_per_position)
+            self.manager.cache.subscribe(self.l3)
+            # Asked at every lookup: this store evicts at once, and a stale answer would count a
+            # hit whose read the engine would find missing (it recomputes there).
+            self.manager.attach_l3(self.l3, answer_ttl_s=0.0)
         self.l3_gbps = l3_gbps
         self.index = EventIndex()
         self.window_blocks = self.manager.geometry.window_blocks
@@ -235,8 +251,12 @@ class Instance(EngineReplay):
     def step(self) -> list[str]:
         done = super().step()
         self.index.apply(self.manager.take_events())  # as a router subscribed to the events sees them
-        self.manager.cache.take_puts()  # host-to-L3 copies run beside the steps: counted, not timed
+        self.manager.take_puts()  # host-to-L3 copies run beside the steps: counted, not timed
         return done
+
+    def loading_from_l3(self, fetches: list) -> None:
+        if self.l3 is not None:
+            self.l3.got([key for fetch in fetches for key in fetch.keys])
 
     def step_seconds(self, prefill_tokens: int, loaded_bytes: int) -> float:
         seconds = super().step_seconds(prefill_tokens, loaded_bytes)

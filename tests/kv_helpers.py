@@ -116,19 +116,19 @@ def run_with_host(m, request, output: list[int]) -> tuple[int, int, Any]:
     external = m.host_extension(request)
     assert m.allocate_slots(request, request.num_tokens - hit - external, hit, blocks,
                             num_external_computed_tokens=external) is not None
-    m.cache.take_stores()
-    m.cache.take_puts()
-    plan = m.cache.take_load(request.request_id)
+    m.take_stores()
+    put_to_l3(m)
+    plan = m.take_load(request.request_id)
     if plan is not None:
         m.check_integrity()  # scratch pages and held nodes accounted for
-        m.cache.finish_load(plan, failed=plan.failed)
+        m.finish_load(plan, failed=plan.failed)
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = request.num_tokens
     for token in output:
         request.append_output_token_ids(token)
         assert m.allocate_slots(request, 1) is not None
-        m.cache.take_stores()
-        m.cache.take_puts()
+        m.take_stores()
+        put_to_l3(m)
         request.num_computed_tokens += 1
     request.status = RequestStatus.FINISHED_STOPPED
     m.free(request)
@@ -163,21 +163,41 @@ def prometheus_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 class DictL3:
-    """An `L3Index` (`vllm_mimo.kv_cache.tiers.l3`) over a set of keys: what the worker would
-    have put."""
+    """An `L3Index` (`vllm_mimo.kv_cache.tiers.l3`) over a set of keys: what the worker put
+    (`put_to_l3`); `calls` counts the questions asked."""
 
     def __init__(self) -> None:
         self.keys: set[Hashable] = set()
-        self.got_keys: list[Hashable] = []
+        self.calls = 0
 
     def key(self, kind: str, index: int, block_hash: Any) -> Hashable:
         return (kind, index, block_hash)
 
     def contains(self, keys: Sequence[Hashable]) -> list[bool]:
+        self.calls += 1
         return [k in self.keys for k in keys]
 
-    def put(self, keys: Sequence[Hashable]) -> None:
-        self.keys.update(keys)
 
-    def got(self, keys: Sequence[Hashable]) -> None:
-        self.got_keys.extend(keys)
+def first_session_through_host(m) -> Any:
+    """A session's first turn (8 positions, 4 answer tokens) run through `m` with its tiers."""
+    first = make_request("s", list(range(100, 100 + 8 * BLOCK)), max_tokens=4)
+    run_with_host(m, first, output=[1, 2, 3, 4])
+    return first
+
+
+def others_through_host(m, count: int, start: int = 0) -> None:
+    """`count` other prompts, each asked twice (its end served, so the host takes it): enough
+    of them push the first session off the device and then off a 40-page host."""
+    for i in range(start, start + count):
+        for ask in range(2):
+            run_with_host(m, make_request(f"other{i}.{ask}", [5000 + i] * (10 * BLOCK)), output=[3] * 4)
+
+
+def put_to_l3(m) -> list:
+    """The worker's side of a step's puts (`take_puts`): their keys enter the attached
+    `DictL3`; returns the puts."""
+    puts = m.take_puts()
+    l3 = m.host_tier.l3 if m.host_tier is not None else None
+    if l3 is not None:
+        l3.index.keys.update(key for put in puts for key in put.keys)
+    return puts

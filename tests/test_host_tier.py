@@ -71,13 +71,13 @@ def test_the_load_plan_names_the_host_pages_and_the_requests_new_blocks():
     full_copies = [n.host.full for n in nodes[hit // BLOCK :]]
     swa_copies = [n.host.swa for n in nodes[-m.geometry.window_blocks :]]
     assert m.allocate_slots(turn, turn.num_tokens - hit - external, hit, blocks, num_external_computed_tokens=external)
-    plan = m.cache.take_load("s2")
+    plan = m.take_load("s2")
     assert [c.host for c in plan.full] == full_copies and [c.host for c in plan.swa] == swa_copies
     # The loaded positions are the tree's again, on the device, in the request's new blocks.
     assert [c.device for c in plan.full] == [n.full_blocks for n in nodes[hit // BLOCK :]]
     assert [c.device for c in plan.swa] == [n.swa_blocks for n in nodes[-m.geometry.window_blocks :]]
     assert set(plan.held) <= set(nodes)
-    m.cache.finish_load(plan)
+    m.finish_load(plan)
     m.check_integrity()
 
 
@@ -202,8 +202,8 @@ def test_a_failed_load_drops_its_host_copies_so_the_retry_recomputes():
     external = m.host_extension(turn)
     assert external > 0
     assert m.allocate_slots(turn, 0, hit, blocks, num_external_computed_tokens=external, delay_cache_blocks=True)
-    plan = m.cache.take_load(turn.request_id)
-    m.cache.finish_load(plan, failed=True)  # what the connector does when the worker reports it
+    plan = m.take_load(turn.request_id)
+    m.finish_load(plan, failed=True)  # what the connector does when the worker reports it
     m.check_integrity()
     assert host.stats.failed_loads == 1
     turn.num_computed_tokens = 0  # vLLM's recompute policy, then the request's blocks are freed
@@ -302,7 +302,7 @@ def test_an_anchor_evicted_in_the_step_that_cached_it_is_not_stored(forward_ran)
     blocks, hit, _ = m.get_computed_blocks(req)
     assert m.allocate_slots(req, req.num_tokens, hit, blocks) is not None
     if forward_ran:
-        m.cache.take_stores()  # the step's scheduling is done: its forward computes what it cached
+        m.take_stores()  # the step's scheduling is done: its forward computes what it cached
     req.status = RequestStatus.FINISHED_ABORTED
     m.free(req)
     assert m.cache.evict(m.geometry.num_blocks - 1, EvictionCause(1, 1), evict_held=True)
@@ -335,12 +335,12 @@ def test_a_load_gives_swa_blocks_only_to_its_window_and_no_anchor_lands_where_no
     external = m.host_extension(turn)
     assert hit == 0 and external == len(prompt), (hit, external)
     assert m.allocate_slots(turn, 0, hit, blocks, num_external_computed_tokens=external, delay_cache_blocks=True)
-    plan = m.cache.take_load("s2")
+    plan = m.take_load("s2")
     loaded = {i for copy in plan.swa for i in copy.device}
     assert len(plan.swa) == m.geometry.window_blocks
     swa_groups = m.get_block_ids("s2")[1:]
     assert {i for group in swa_groups for i in group if i} == loaded  # 0: vLLM's null block
-    m.cache.finish_load(plan)
+    m.finish_load(plan)
     m.cache_blocks(turn, hit + external)
     m.check_integrity()
     # Branching off at a grid point inside the loaded range finds no window on the device there.

@@ -30,7 +30,7 @@ from hypothesis.stateful import (
 )
 
 from eval.host_dense import DenseHostTier
-from tests.kv_helpers import BLOCK, DictL3, kv_config, make_request
+from tests.kv_helpers import BLOCK, DictL3, kv_config, make_request, put_to_l3
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
@@ -76,8 +76,9 @@ class ManagerMachine(RuleBasedStateMachine):
             kv_config(num_blocks, window=WINDOW, full_block=full_block, swa_block=swa_block), 4096,
             max(block_sizes), BLOCK, max_num_running=3, mimo_config=config, use_eagle=eagle,
             window_local=window_local, host_pages=host_pages, host_tier=DenseHostTier if host_dense else HostTier,
-            l3=DictL3() if l3 else None,
         )
+        if l3 and host_pages:
+            self.m.attach_l3(DictL3())
         self.waiting: list = []
         self.running: list = []
         self.finished: list = []
@@ -121,14 +122,14 @@ class ManagerMachine(RuleBasedStateMachine):
         if new is None:
             return
         self._handed_out(new)
-        plan = self.m.cache.take_load(req.request_id)
+        plan = self.m.take_load(req.request_id)
         assert (plan is not None) == (external > 0), (external, plan)
         recomputed = False
         if plan is not None:
             Counted.host_loads += 1
             Counted.l3_loads += bool(plan.fetches)
             self._check_load(req, hit, external, plan)
-            self.m.cache.finish_load(plan, failed=plan.failed)
+            self.m.finish_load(plan, failed=plan.failed)
             if plan.failed:  # vLLM's recompute policy: the forward writes the positions instead
                 recomputed = True
             else:
@@ -172,14 +173,13 @@ class ManagerMachine(RuleBasedStateMachine):
     def forward(self) -> None:
         """A step's scheduling is done: its stores are taken and its forward computes what it
         cached (`HybridKVCache.take_stores`)."""
-        for kind, copy in self.m.cache.take_stores():
+        for kind, copy in self.m.take_stores():
             if not copy.device:  # a dense tier (a measuring variant) counts SWA KV the device lacks
                 assert isinstance(self.m.cache.host, DenseHostTier) and kind == "swa", (kind, copy)
                 continue
             assert copy.host and len(self.m.host_copies(kind, copy)) == len(copy.host) == len(copy.device), (kind, copy)
-        l3 = self.m.cache.host.l3 if self.m.cache.host is not None else None
-        for put in self.m.cache.take_puts():
-            assert l3 is not None and len(put.keys) == len(put.host) and set(put.keys) <= l3.keys, put
+        for put in put_to_l3(self.m):
+            assert len(put.keys) == len(put.host), put
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 10))

@@ -6,9 +6,16 @@ load that reads what is not there. The bytes are the engine's (tests/test_l3_eng
 
 from __future__ import annotations
 
-from typing import Any
-
-from tests.kv_helpers import BLOCK, DictL3, kv_config, make_request, manager, run_with_host
+from tests.kv_helpers import (
+    BLOCK,
+    DictL3,
+    first_session_through_host,
+    kv_config,
+    make_request,
+    manager,
+    others_through_host,
+    run_with_host,
+)
 from vllm_mimo.compat import maybe_convert_block_hash
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
@@ -17,32 +24,20 @@ from vllm_mimo.kv_cache.prefix_tree import HOST, L3
 
 def _manager(l3: DictL3, host_pages: int = 40, num_blocks: int = 40):
     m = manager(num_blocks, host_pages=host_pages)
-    m.cache.host.l3 = l3
+    m.attach_l3(l3)
     return m
-
-
-def _others(m, count: int, start: int = 0) -> None:
-    for i in range(start, start + count):
-        for ask in range(2):  # asked twice: the prompt's end served, so the host takes it
-            run_with_host(m, make_request(f"other{i}.{ask}", [5000 + i] * (10 * BLOCK)), output=[3] * 4)
-
-
-def _first_session(m) -> Any:
-    first = make_request("s", list(range(100, 100 + 8 * BLOCK)), max_tokens=4)
-    run_with_host(m, first, output=[1, 2, 3, 4])
-    return first
 
 
 def test_what_the_host_evicts_goes_to_l3_and_a_hit_runs_past_the_host_into_it():
     l3 = DictL3()
     m = _manager(l3)
-    first = _first_session(m)
-    _others(m, 12)  # the device and then the host (40 pages) give up the first session
+    first = first_session_through_host(m)
+    others_through_host(m, 12)  # the device and then the host (40 pages) give up the first session
     host = m.cache.host
-    assert host.stats.evicted_anchors > 0 and host.stats.l3_put_full > 0 and host.stats.l3_put_swa > 0
+    assert host.stats.evicted_anchors > 0 and host.l3.counts.put_full > 0 and host.l3.counts.put_swa > 0
     assert ("full", 0, first.block_hashes[0]) in l3.keys
     # Mask-only in L3 too: SWA pages only of anchors' windows.
-    assert host.stats.l3_put_swa <= m.geometry.window_blocks * host.stats.evicted_anchors < host.stats.l3_put_full
+    assert host.l3.counts.put_swa <= m.geometry.window_blocks * host.stats.evicted_anchors < host.l3.counts.put_full
     turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
     hit, external, plan = run_with_host(m, turn, output=[1])
     expected = (first.num_tokens - 1) // BLOCK * BLOCK
@@ -56,8 +51,8 @@ def test_what_the_host_evicts_goes_to_l3_and_a_hit_runs_past_the_host_into_it():
 def test_another_instance_sharing_the_store_loads_what_one_demoted():
     l3 = DictL3()
     a, b = _manager(l3), _manager(l3)
-    first = _first_session(a)
-    _others(a, 12)
+    first = first_session_through_host(a)
+    others_through_host(a, 12)
     turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
     hit, external, plan = run_with_host(b, turn, output=[1])
     assert hit == 0 and external == (first.num_tokens - 1) // BLOCK * BLOCK
@@ -69,8 +64,8 @@ def test_another_instance_sharing_the_store_loads_what_one_demoted():
 def test_no_l3_hit_where_the_store_lost_a_page():
     l3 = DictL3()
     a, b = _manager(l3), _manager(l3)
-    first = _first_session(a)
-    _others(a, 12)
+    first = first_session_through_host(a)
+    others_through_host(a, 12)
     l3.keys.discard(("full", 0, first.block_hashes[3]))
     turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
     _, external, _ = run_with_host(b, turn, output=[1])
@@ -80,8 +75,8 @@ def test_no_l3_hit_where_the_store_lost_a_page():
 def test_a_host_without_free_pages_fails_the_l3_load_at_once():
     l3 = DictL3()
     a = _manager(l3)
-    first = _first_session(a)
-    _others(a, 12)
+    first = first_session_through_host(a)
+    others_through_host(a, 12)
     b = _manager(l3, host_pages=2)  # fewer pages than the load reads
     turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
     _, external, plan = run_with_host(b, turn, output=[1])
@@ -91,21 +86,22 @@ def test_a_host_without_free_pages_fails_the_l3_load_at_once():
 
 def test_pages_put_to_l3_are_published_as_kv_cache_events_on_medium_l3():
     """A router learns where L3 holds a prefix from the events (stored only: the store evicts
-    silently, `base.L3`); the host copies they replace are removed on medium CPU."""
+    silently, `prefix_tree.L3`); the host copies they replace are removed on medium CPU."""
 
     l3 = DictL3()
     m = HybridKVCacheManager(
-        kv_config(40), 4096, BLOCK, BLOCK, max_num_running=4, host_pages=40, l3=l3,
+        kv_config(40), 4096, BLOCK, BLOCK, max_num_running=4, host_pages=40,
         mimo_config=MimoConfig(grid_anchor_tokens=0), enable_kv_cache_events=True,
     )
-    first = _first_session(m)
-    _others(m, 12)
+    m.attach_l3(l3)
+    first = first_session_through_host(m)
+    others_through_host(m, 12)
     events = m.take_events()
     put = {h for e in events if type(e).__name__ == "BlockStored" and e.medium == L3 for h in e.block_hashes}
     assert put and not any(type(e).__name__ == "BlockRemoved" and e.medium == L3 for e in events)
     assert any(type(e).__name__ == "BlockRemoved" and e.medium == HOST for e in events)
     assert maybe_convert_block_hash(first.block_hashes[0]) in put
-    assert m.cache.host.stats.l3_put_full > 0
+    assert m.cache.host.l3.counts.put_full > 0
 
 
 def test_pages_whose_read_failed_are_not_offered_again_until_put_again():
@@ -113,15 +109,15 @@ def test_pages_whose_read_failed_are_not_offered_again_until_put_again():
     lookups do not send it back to the same read (no retry loop)."""
     l3 = DictL3()
     a, b = _manager(l3), _manager(l3)
-    first = _first_session(a)
-    _others(a, 12)
+    first = first_session_through_host(a)
+    others_through_host(a, 12)
     turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
     blocks, hit, _ = b.get_computed_blocks(turn)
     external = b.host_extension(turn)
     assert external > 0
     assert b.allocate_slots(turn, 0, hit, blocks, num_external_computed_tokens=external, delay_cache_blocks=True)
-    plan = b.cache.take_load(turn.request_id)
-    b.cache.finish_load(plan, failed=True)  # the worker's read came back short
+    plan = b.take_load(turn.request_id)
+    b.finish_load(plan, failed=True)  # the worker's read came back short
     turn.num_computed_tokens = 0
     b.free(turn)
     b.check_integrity()

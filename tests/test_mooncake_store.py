@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from tests.kv_helpers import BLOCK, DictL3, first_session_through_host, make_request, manager, others_through_host
 from vllm_mimo.config import MimoConfig, MimoConfigError
 from vllm_mimo.offload.mooncake_store import L3Settings, L3Unavailable, MooncakeL3, l3_key
 from vllm_mimo.testing.mooncake import mooncake_available, mooncake_master
@@ -207,3 +208,58 @@ def test_l3_keys_without_a_master_are_an_error():
     with pytest.raises(MimoConfigError, match=r"l3_gib=2.0: there is no L3 \(l3_master=\"\"\)"):
         MimoConfig.from_sources({"mimo": {**HOST_TIER, "l3_gib": 2}}, environ={})
 
+
+
+# --- one store lookup per admission -------------------------------------------------------------
+
+
+class _CountingIndex:
+    """The host tier's `L3Index` on a real client of the store, counting its round trips."""
+
+    def __init__(self, client: MooncakeL3) -> None:
+        self.client = client
+        self.calls = 0
+
+    def key(self, kind: str, index: int, block_hash) -> str:
+        return l3_key("count-test", "abc123", 0, kind, index, block_hash)
+
+    def contains(self, keys) -> list[bool]:
+        self.calls += 1
+        return self.client.contains(list(keys))
+
+
+@needs_mooncake
+def test_an_admission_asks_the_store_once_and_a_waiting_request_not_again_until_the_interval_passes(pair):
+    """The lookup's L3 answer is carried into the admission (no second question), and a request
+    that waits asks again only once the answers are `answer_ttl_s` old."""
+    a, _ = pair
+    index = _CountingIndex(a)
+    writer = manager(40, host_pages=40)
+    writer.attach_l3(DictL3())
+    first = first_session_through_host(writer)
+    others_through_host(writer, 12)  # the first session goes to L3 (keys in the DictL3)
+    put = sorted(index.key(*key) for key in writer.host_tier.l3.index.keys)
+    assert put and all(a.put_pages(put[i : i + 8], list(range(len(put[i : i + 8])))) for i in range(0, len(put), 8))
+
+    now = [0.0]
+    reader = manager(40, host_pages=40)
+    reader.attach_l3(index, answer_ttl_s=1.0, clock=lambda: now[0])
+    turn = make_request("s2", first.all_token_ids[:-1] + [9] * 20)
+    blocks, hit, _ = reader.get_computed_blocks(turn)
+    external = reader.host_extension(turn)
+    asked = index.calls
+    assert external == (first.num_tokens - 1) // BLOCK * BLOCK and 1 <= asked <= 2, (external, asked)
+    for _ in range(5):  # waiting for room: looked up every step, the answers still fresh
+        reader.get_computed_blocks(turn)
+        assert reader.host_extension(turn) == external
+    assert index.calls == asked
+    now[0] = 1.5  # the interval passed: the next lookup asks again
+    blocks, hit, _ = reader.get_computed_blocks(turn)
+    assert reader.host_extension(turn) == external and index.calls == 2 * asked
+    now[0] = 3.0  # the answers are stale again: only the lookup's extension, carried, spares a question
+    new = reader.allocate_slots(turn, turn.num_tokens - hit - external, hit, blocks, num_external_computed_tokens=external)
+    assert new is not None and index.calls == 2 * asked
+    plan = reader.take_load(turn.request_id)
+    assert plan is not None and plan.fetches and not plan.failed
+    reader.finish_load(plan)
+    assert reader.host_tier.l3.counts.store_calls == index.calls

@@ -21,8 +21,8 @@ from vllm_mimo.kv_cache.contract import AnchorPolicy, CacheObserver
 from vllm_mimo.kv_cache.counters import KVManagerMetrics
 from vllm_mimo.kv_cache.geometry import KVGeometry, UnsupportedKVLayout, cdiv
 from vllm_mimo.kv_cache.prefix_tree import Blocks
-from vllm_mimo.kv_cache.tiers.host import Copy, HostTier
-from vllm_mimo.kv_cache.tiers.l3 import L3Index
+from vllm_mimo.kv_cache.tiers.host import Copy, HostMatch, HostTier, LoadPlan
+from vllm_mimo.kv_cache.tiers.l3 import L3Copy, L3Index
 
 
 def _group_slices(geometry: KVGeometry, group_ids: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
@@ -80,7 +80,6 @@ class HybridKVCacheManager:
         host_pages: int = 0,
         anchor_policy: Callable[..., AnchorPolicy] = AnchorPlacement,
         host_tier: Callable[..., HostTier] = HostTier,
-        l3: L3Index | None = None,
         enable_kv_cache_events: bool = False,
         **_vllm_kwargs: Any,
     ) -> None:
@@ -90,9 +89,8 @@ class HybridKVCacheManager:
         `window_local`: the SWA groups' attention is window-local (`HybridKVCache`);
         `host_pages`: the host tier (`HybridKVCache`; in the engine the plugin's connector,
         `vllm_mimo.offload`, moves the bytes);
-        `anchor_policy`, `host_tier`: what builds them (`HybridKVCache`);
-        `l3`: the shared store behind the host tier (`vllm_mimo.kv_cache.tiers.l3`; in the engine
-        the connector sets it once it has reached the store: `HostTier.l3`);
+        `anchor_policy`, `host_tier`: what builds them (`HybridKVCache`); the shared store
+        behind the host tier comes later, one way: `attach_l3`;
         `enable_kv_cache_events`: record vLLM's KV cache events (`kv_events`, `take_events`)."""
         geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
         if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
@@ -127,7 +125,6 @@ class HybridKVCacheManager:
             host_pages=host_pages,
             anchor_policy=anchor_policy,
             host_tier=host_tier,
-            l3=l3,
         )
         self.geometry = geometry
         self.kv_cache_config = kv_cache_config
@@ -154,6 +151,7 @@ class HybridKVCacheManager:
         self.null_block.is_null = True
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self._matches: dict[str, Any] = {}  # the latest lookup per request, adopted on admission
+        self._extensions: dict[str, HostMatch] = {}  # its host extension, likewise
 
     # ------------------------------------------------------ lookup, allocation
 
@@ -187,7 +185,11 @@ class HybridKVCacheManager:
         limit = request.num_tokens - 1
         if max_cache_hit_length is not None:
             limit = min(limit, max_cache_hit_length)
-        return self.cache.host_extend(request, match, limit)
+        extension = self.cache.host_extend(request, match, limit)
+        if extension is None:
+            return 0
+        self._extensions[request.request_id] = extension
+        return (extension.blocks - extension.hit) * self.block_size
 
     def allocate_slots(
         self,
@@ -224,6 +226,7 @@ class HybridKVCacheManager:
             whole_request=full_sequence_must_fit,
             cache=not delay_cache_blocks,
             external_tokens=num_external_computed_tokens,
+            extension=self._extensions.pop(request.request_id, None),
         )
         if new is None:
             return None
@@ -240,6 +243,7 @@ class HybridKVCacheManager:
     def free(self, request: Any) -> None:
         """Release a finished or preempted request's blocks, leaving an anchor where it ended."""
         self._matches.pop(request.request_id, None)
+        self._extensions.pop(request.request_id, None)
         self.cache.free(request)
 
     def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
@@ -259,7 +263,45 @@ class HybridKVCacheManager:
         if not self.cache.reset():
             return False
         self._matches.clear()
+        self._extensions.clear()
         return True
+
+    # ------------------------------------------------------------- the tiers
+    #
+    # What the plugin's KV connector (`vllm_mimo.offload.connector`) reaches: the host tier's
+    # transfers and the L3, through the manager alone.
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        """The host tier (None without one)."""
+        return self.cache.host
+
+    def attach_l3(self, index: L3Index, **l3_tier_kwargs: Any) -> None:
+        """The shared store behind the host tier (`HostTier.attach_l3`): the one way an L3 enters."""
+        if self.cache.host is None:
+            raise ValueError("an L3 needs the host tier (host_pages > 0)")
+        self.cache.host.attach_l3(index, **l3_tier_kwargs)
+
+    def detach_l3(self) -> None:
+        """No L3 from now on (the store went away)."""
+        if self.cache.host is not None:
+            self.cache.host.detach_l3()
+
+    def take_load(self, request_id: str) -> LoadPlan | None:
+        """The copies the latest admission of this request needs from host and L3."""
+        return self.cache.take_load(request_id)
+
+    def finish_load(self, plan: LoadPlan, failed: bool = False) -> None:
+        """A load plan's copies are done, or `failed` (the request recomputes)."""
+        self.cache.finish_load(plan, failed)
+
+    def take_stores(self) -> list[tuple[str, Copy]]:
+        """The device-to-host copies of this step's demotions (once per step)."""
+        return self.cache.take_stores()
+
+    def take_puts(self) -> list[L3Copy]:
+        """The host-to-L3 copies of this step's host evictions (with `take_stores`)."""
+        return self.cache.take_puts()
 
     # ------------------------------------------------------------ translation
 

@@ -48,8 +48,8 @@ from vllm_mimo.kv_cache.contract import (
 from vllm_mimo.kv_cache.geometry import KVGeometry, cdiv
 from vllm_mimo.kv_cache.pools import BlockPools, Pool
 from vllm_mimo.kv_cache.prefix_tree import DEVICE, Blocks, Node, PrefixTree, TreeMatch, position_hashes
-from vllm_mimo.kv_cache.tiers.host import Copy, HostMatch, HostTier, L3Copy, LoadPlan
-from vllm_mimo.kv_cache.tiers.l3 import L3Index
+from vllm_mimo.kv_cache.tiers.host import Copy, HostMatch, HostTier, LoadPlan
+from vllm_mimo.kv_cache.tiers.l3 import L3Copy
 
 _NO_MATCH = TreeMatch([], 0)
 
@@ -120,7 +120,6 @@ class HybridKVCache(KVCache):
         host_pages: int = 0,
         anchor_policy: Callable[..., AnchorPolicy] = AnchorPlacement,
         host_tier: Callable[..., HostTier] = HostTier,
-        l3: L3Index | None = None,
     ) -> None:
         self.geometry = geometry
         self.window_local = window_local
@@ -147,7 +146,7 @@ class HybridKVCache(KVCache):
         self.host = (
             host_tier(
                 self.tree, host_pages, self._n_full, self._n_swa, self.window_blocks, self.block_size,
-                back_off=1 if use_eagle else 0, l3=l3,
+                back_off=1 if use_eagle else 0,
             )
             if host_pages
             else None
@@ -228,16 +227,15 @@ class HybridKVCache(KVCache):
             match = self.tree.match(keys, match.safe_blocks - 1, self.window_blocks)
         return match
 
-    def host_extend(self, request: Any, match: TreeMatch, max_tokens: int) -> int:
-        """Tokens past the device's window-safe hit (`match`, up to `max_tokens`) that the host
-        tier holds for the request: what `allocate` takes as `external_tokens`. 0 without a host
-        tier. Never mutates."""
+    def host_extend(self, request: Any, match: TreeMatch, max_tokens: int) -> HostMatch | None:
+        """The host tier's extension of the device's window-safe hit (`match`, up to
+        `max_tokens`): its positions past the hit are what `allocate` takes as `external_tokens`,
+        and the extension itself is handed to that `allocate` (the lookup is not made twice).
+        None without a host tier. Never mutates."""
         if self.host is None or not self.enable_caching:
-            return 0
+            return None
         positions = max_tokens // self.block_size
-        hit = match.safe_blocks
-        extended = self.host.extend(self.position_hashes(request, positions), match, hit, positions)
-        return (extended.blocks - hit) * self.block_size
+        return self.host.extend(self.position_hashes(request, positions), match, match.safe_blocks, positions)
 
     def take_load(self, request_id: str) -> LoadPlan | None:
         """The copies from host that the latest admission of this request needs (its host
@@ -287,6 +285,7 @@ class HybridKVCache(KVCache):
         whole_request: bool = False,
         cache: bool = True,
         external_tokens: int = 0,
+        extension: HostMatch | None = None,
     ) -> NewBlocks | None:
         self._tick += 1
         bs = self.block_size
@@ -300,7 +299,7 @@ class HybridKVCache(KVCache):
                 f"takes them, in whole {bs}-token positions"
             )
         if state is None:
-            plan = self._plan_admission(request, hit_tokens, match, external_tokens)
+            plan = self._plan_admission(request, hit_tokens, match, external_tokens, extension)
         else:
             self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
             if cdiv(num_slots, bs) <= min(len(state.full), len(state.swa)) and not (hit_tokens or headroom or whole_request):
@@ -324,17 +323,20 @@ class HybridKVCache(KVCache):
             request, state, plan.kept, plan.windows, num_lookahead_tokens, num_tokens, cache, plan.full, plan.swa
         )
 
-    def _plan_admission(self, request: Any, hit_tokens: int, match: TreeMatch | None, external_tokens: int) -> _Plan:
+    def _plan_admission(
+        self, request: Any, hit_tokens: int, match: TreeMatch | None, external_tokens: int, extension: HostMatch | None
+    ) -> _Plan:
         """The prefix a request not running yet adopts: a window-safe hit of `hit_tokens` (of
         `match`, or the prefix matched again) and the pseudo hit after it, extended by
-        `external_tokens` from the host tier."""
+        `external_tokens` from the host tier (`extension`, the lookup's, while nothing changed
+        since; else found again)."""
         bs, window = self.block_size, self.window_blocks
         hit = hit_tokens // bs
         positions = (request.num_tokens - 1) // bs
         keys = position_hashes(request.block_hashes, self.hash_stride, positions)
         if match is None or not match.holds(hit, window):
             # The tree changed since the lookup, or the caller trimmed the hit: match again.
-            match = self.tree.match(keys, positions, window)
+            match, extension = self.tree.match(keys, positions, window), None
             if hit and not match.holds(hit, window):
                 raise ValueError(
                     f"request {request.request_id}: {hit_tokens} computed tokens passed in, "
@@ -345,7 +347,9 @@ class HybridKVCache(KVCache):
         plan = _Plan(match, keys, hit, hit + match.takeover(hit), hit)
         plan.adopted_full, plan.adopted_swa = match.unreferenced(hit, window)
         if external_tokens:
-            extended = self.host.extend(keys, match, hit, positions) if self.host is not None else None
+            extended = extension
+            if self.host is None or extended is None or extended.generation != self.host.generation or extended.hit != hit:
+                extended = self.host.extend(keys, match, hit, positions) if self.host is not None else None
             load_end = hit + external_tokens // bs
             if extended is None or extended.blocks < load_end:
                 raise ValueError(

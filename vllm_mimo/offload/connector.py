@@ -129,9 +129,9 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         """vLLM binds its own manager first; the plugin's scheduler binds the hybrid KV manager
         once it is installed (only that one has a host tier)."""
         self._kv_cache_manager = kv_cache_manager
-        self.manager = kv_cache_manager if getattr(getattr(kv_cache_manager, "cache", None), "host", None) else None
+        self.manager = kv_cache_manager if getattr(kv_cache_manager, "host_tier", None) is not None else None
         if self.manager is not None and self.l3_index is not None:
-            self.manager.cache.host.l3 = self.l3_index
+            self.manager.attach_l3(self.l3_index)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self.manager is None or not self.available:
@@ -141,7 +141,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens and self.manager is not None:
-            plan = self.manager.cache.take_load(request.request_id)
+            plan = self.manager.take_load(request.request_id)
             if plan is not None:
                 self._pending[request.request_id] = plan
 
@@ -151,11 +151,11 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             return meta
         counters = self.counters
         # Puts first: a page evicted this step may be stored to again this step (a new tag).
-        for copy in self.manager.cache.take_puts():
+        for copy in self.manager.take_puts():
             for key, page in zip(copy.keys, copy.host, strict=True):
                 meta.puts.append(L3Page(str(key), page, self._tags.get(page, -2)))
                 counters.l3_put_bytes += self.page_bytes
-        for kind, copy in self.manager.cache.take_stores():
+        for kind, copy in self.manager.take_stores():
             for gid, block, page in self.manager.host_copies(kind, copy):
                 self._next_tag += 1
                 self._tags[page] = self._next_tag
@@ -197,7 +197,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             if not worker.l3_available and self.l3_index is not None:
                 self.l3_index = None
                 if self.manager is not None:
-                    self.manager.cache.host.l3 = None
+                    self.manager.detach_l3()
                 logger.warning("vllm-mimo: the L3 tier is off: a worker cannot reach the store (see its log)")
         failed = connector_output.failed_recving or set()
         for request_id in connector_output.finished_recving or ():
@@ -208,7 +208,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             if request_id in failed:
                 self.counters.failed_loads += 1
                 logger.warning("vllm-mimo: host tier load for request %s failed; it recomputes", request_id)
-            self.manager.cache.finish_load(plan, failed=request_id in failed)
+            self.manager.finish_load(plan, failed=request_id in failed)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         # A request whose load is still being copied keeps its blocks until the worker reports it.

@@ -83,12 +83,6 @@ class MooncakeIndex:
     def contains(self, keys: Sequence[Hashable]) -> list[bool]:
         return self.client.contains([str(k) for k in keys])
 
-    def put(self, keys: Sequence[Hashable]) -> None:
-        """The worker puts the bytes."""
-
-    def got(self, keys: Sequence[Hashable]) -> None:
-        """The worker reads the bytes."""
-
 
 def rank_key(key: str, rank: int) -> str:
     """A page's name for tensor-parallel rank `rank`, given rank 0's (`L3Page.key`)."""

@@ -31,15 +31,10 @@ The rules, each written once here:
     is dropped, as with no host tier;
   * a load reads the Full copies past what the request adopts from the device and the SWA
     copies of the window before the load's end;
-  * with an L3 (`vllm_mimo.kv_cache.tiers.l3`): what the host evicts to make room goes to L3
-    (the Full copies freed and the window's SWA copies), except pages whose store from the
-    device is still to be made this step and copies dropped by a failed load; a hit extends past
-    the host's Full copies into positions whose every Full page L3 holds, with the window before
-    its end on the host or in L3; L3 pages are read into host pages of the load's own, taken
-    like a store's (evicting host anchors), and freed when the load is done; a load without such
-    pages fails at once (`HostStats.l3_short_loads`); pages whose read failed are not offered
-    from L3 again until this tier puts them again (a store that holds a page but fails to read
-    it would otherwise have its request retry forever).
+  * with an L3 (attached by `attach_l3`; its rules in `vllm_mimo.kv_cache.tiers.l3`): the host
+    frees to L3 what it evicts to make room (`L3Tier.put`), but not pages whose store from the
+    device is still to be made this step, nor copies dropped by a failed load; a hit extends
+    past the host's Full copies as far as L3 carries it (`L3Tier.reach`).
 
 Units: host *pages* of the device's block size in bytes. A position's Full copy takes one page
 per Full block id of a position, its SWA copy one page per SWA block id.
@@ -50,14 +45,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mimo.kv_cache.anchors import Anchor, AnchorKind, AnchorState
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import HOST, L3, Blocks, Node, PrefixTree, TreeMatch
-from vllm_mimo.kv_cache.tiers.l3 import L3Index
+from vllm_mimo.kv_cache.prefix_tree import HOST, Blocks, Node, PrefixTree, TreeMatch
+from vllm_mimo.kv_cache.tiers.l3 import ANSWER_TTL_S, L3Copy, L3Index, L3Tier
 
 NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
 """Anchor kinds the host does not take from the device once demoted unserved: grid points are
@@ -73,15 +68,6 @@ class Copy:
 
     host: Blocks
     device: Blocks
-
-
-@dataclass(frozen=True, slots=True)
-class L3Copy:
-    """One position's KV of one pool moving between the host and L3: the store's `keys`, one
-    per host page of `host`."""
-
-    keys: tuple[Hashable, ...]
-    host: Blocks
 
 
 @dataclass
@@ -108,9 +94,6 @@ class HostStats:
     """Tokens up to preempted requests' resume anchors demoted to host (preemption as swap)."""
     swapped_in_tokens: int = 0
     """Tokens of preempted requests' hits loaded from host."""
-    l3_put_full: int = 0
-    l3_put_swa: int = 0
-    """Positions demoted to L3 as the host evicted them."""
     l3_hit_tokens: int = 0
     """Tokens of hits past the device's and the host's, loaded from L3 (part of `hit_tokens`)."""
     l3_loaded_full: int = 0
@@ -132,6 +115,8 @@ class HostMatch:
     l3_from: int = 1 << 62
     l3_swa: frozenset[int] = frozenset()
     keys: Sequence[Any] = ()
+    generation: int = -1
+    """`HostTier.generation` when it was found."""
 
 
 @dataclass
@@ -216,7 +201,6 @@ class HostTier:
         block_size: int,
         *,
         back_off: int = 0,
-        l3: L3Index | None = None,
     ) -> None:
         if num_pages < 1 or full_pages < 1 or swa_pages < 1:
             raise ValueError(f"host pages ({num_pages}) and pages per position ({full_pages}, {swa_pages}) must be >= 1")
@@ -227,7 +211,7 @@ class HostTier:
         self.window_blocks = window_blocks
         self.block_size = block_size
         self.back_off = back_off
-        self.l3 = l3
+        self.l3: L3Tier | None = None
         self.stats = HostStats()
         self._free: deque[int] = deque(range(num_pages))
         self._seq = itertools.count()
@@ -236,11 +220,12 @@ class HostTier:
         self._holds: dict[int, int] = {}  # id(node) -> planned loads holding it
         self._loads: dict[str, LoadPlan] = {}
         self._stores: list[tuple[str, Copy]] = []
-        self._puts: list[L3Copy] = []
         self._store_pages: set[int] = set()  # host pages of `_stores`: not put to L3 before copied
         self._to_l3 = False  # while evicting to make room: freed copies go to L3
         self._scratch: set[int] = set()  # host pages of loads from L3 not finished yet
-        self._unreadable: set[Hashable] = set()  # L3 pages whose read failed (module docstring)
+        # Bumped at every change of what the host holds: an extension found at a lookup holds at
+        # the admission that follows while it is unchanged (`HostMatch.generation`).
+        self.generation = 0
         # Nodes cached since the last `take_stores` (at schedule time, as vLLM caches blocks):
         # their KV is written by the coming forward, so an anchor on one is not stored yet.
         self._uncomputed: set[int] = set()
@@ -274,10 +259,17 @@ class HostTier:
         return stores
 
     def take_puts(self) -> list[L3Copy]:
-        """The copies to L3 that evictions since the last call need (the worker makes them this
-        step, before the step's stores reuse the pages)."""
-        puts, self._puts = self._puts, []
-        return puts
+        """The copies to L3 that evictions since the last call need (`L3Tier.take_puts`)."""
+        return self.l3.take_puts() if self.l3 is not None else []
+
+    def attach_l3(self, index: L3Index, *, answer_ttl_s: float = ANSWER_TTL_S, clock: Any = None) -> None:
+        """The shared store behind this tier, from now on (`L3Tier`'s arguments)."""
+        extra = {"clock": clock} if clock is not None else {}
+        self.l3 = L3Tier(index, self.full_pages, self.swa_pages, self.tree.observers, answer_ttl_s=answer_ttl_s, **extra)
+
+    def detach_l3(self) -> None:
+        """No L3 from now on (the store went away): what was put and not copied is dropped."""
+        self.l3 = None
 
     def demote(self, anchor: Anchor, tick: int) -> None:
         """The device evicts `anchor` (its window still attached): stored here unless the
@@ -325,6 +317,7 @@ class HostTier:
             copies.append(("swa", Copy(pages_swa, w.swa_blocks or ())))
         self.tree.observers.tell_stored(swa, Pool.SWA, HOST)
         self._store_pages.update(page for _, c in copies for page in c.host)
+        self.generation += 1
         anchor = HostAnchor(node, list(window), tick)
         node.host.anchor = anchor
         self.cover(window)
@@ -361,18 +354,10 @@ class HostTier:
     def _release(self, node: Node, kind: str, pages: Blocks) -> None:
         """Free a node's host copy of `kind`, to L3 first while making room (module docstring)."""
         self._free.extend(pages)
-        pool = Pool.FULL if kind == "full" else Pool.SWA
+        self.generation += 1
         if self._to_l3 and self.l3 is not None and not self._store_pages.intersection(pages):
-            keys = tuple(self.l3.key(kind, i, node.block_hash) for i in range(len(pages)))
-            self._unreadable.difference_update(keys)
-            self.l3.put(keys)
-            self._puts.append(L3Copy(keys, pages))
-            self.tree.observers.tell_stored((node,), pool, L3)
-            if kind == "full":
-                self.stats.l3_put_full += 1
-            else:
-                self.stats.l3_put_swa += 1
-        self.tree.observers.tell_removed((node,), pool, HOST)
+            self.l3.put(node, kind, pages)
+        self.tree.observers.tell_removed((node,), Pool.FULL if kind == "full" else Pool.SWA, HOST)
 
     def _make_room(self) -> bool:
         """Evict the least recently used host anchor nothing holds (to L3, if any); False if
@@ -471,7 +456,9 @@ class HostTier:
         self._lru.clear()
         self._anchors = 0
         self._stores.clear()
-        self._puts.clear()
+        if self.l3 is not None:
+            self.l3.clear()
+        self.generation += 1
         self._store_pages.clear()
         self._uncomputed.clear()
 
@@ -506,7 +493,7 @@ class HostTier:
         l3_swa: frozenset[int] = frozenset()
         reach = full_end
         if self.l3 is not None:
-            reach, l3_swa = self._l3_reach(keys, path, hit, full_end, min(max_blocks, len(keys)))
+            reach, l3_swa = self.l3.reach(keys, path, hit, full_end, min(max_blocks, len(keys)))
         best = hit
         window = self.window_blocks + self.back_off
         missing = hit - 1  # the last position from `hit` on without a host or L3 SWA copy, so far
@@ -517,34 +504,7 @@ class HostTier:
             stop = end - self.back_off
             if stop > hit and missing < max(hit, end - window):
                 best = stop
-        return HostMatch(path, hit, best, full_end, l3_swa, keys)
-
-    def _l3_reach(
-        self, keys: Sequence[Any], path: list[Node], hit: int, full_end: int, max_blocks: int
-    ) -> tuple[int, frozenset[int]]:
-        """How far L3 carries the Full KV past `full_end` (the end of the device's and the
-        host's), and which positions from `hit` to there have their SWA pages in L3 but not on
-        the host: two batched questions to the store."""
-        reach = full_end
-        if full_end < max_blocks:
-            for whole in self._l3_holds("full", self.full_pages, [keys[pos] for pos in range(full_end, max_blocks)]):
-                if not whole:
-                    break
-                reach += 1
-        lacking = [
-            pos for pos in range(hit, reach) if pos >= len(path) or path[pos].host is None or path[pos].host.swa is None
-        ]
-        if not lacking or reach == hit:
-            return reach, frozenset()
-        swa = self._l3_holds("swa", self.swa_pages, [keys[pos] for pos in lacking])
-        return reach, frozenset(pos for pos, whole in zip(lacking, swa, strict=True) if whole)
-
-    def _l3_holds(self, kind: str, pages: int, block_hashes: Sequence[Any]) -> list[bool]:
-        """Per position: whether L3 holds every page of its `kind` copy (one question)."""
-        assert self.l3 is not None
-        keys = [self.l3.key(kind, i, h) for h in block_hashes for i in range(pages)]
-        found = [held and key not in self._unreadable for key, held in zip(keys, self.l3.contains(keys), strict=True)]
-        return [all(found[i : i + pages]) for i in range(0, len(found), pages)]
+        return HostMatch(path, hit, best, full_end, l3_swa, keys, self.generation)
 
     # ------------------------------------------------------------------ loads
 
@@ -625,9 +585,7 @@ class HostTier:
     def _fetch(self, block_hash: Any, kind: str, count: int) -> L3Copy:
         """A read of one position's `kind` pages from L3 into new host pages."""
         assert self.l3 is not None
-        keys = tuple(self.l3.key(kind, i, block_hash) for i in range(count))
-        self.l3.got(keys)
-        return L3Copy(keys, self._take(count))
+        return self.l3.fetch(block_hash, kind, self._take(count))
 
     def take_load(self, request_id: str) -> LoadPlan | None:
         """The copies from host that the latest admission of this request needs, held until
@@ -668,7 +626,8 @@ class HostTier:
         plan.scratch = []
         if not failed:
             return
-        self._unreadable.update(key for fetch in plan.fetches for key in fetch.keys)
+        if self.l3 is not None:
+            self.l3.read_failed(plan.fetches)
         self.stats.failed_loads += 1
         victims = []
         for node in self.tree.nodes.values():
