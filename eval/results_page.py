@@ -529,24 +529,28 @@ def _harness_lines(results: Path) -> list[str]:
         sinks = {None: "this platform's", True: "served (as SM90 with trtllm-gen)"}[row["sink_support"]]
         name = f"{row['case']['name']}, {row['layout']}" + (f", sinks {sinks}" if row["case"]["sinks"] else "")
         if "refused_by_vllm" in row:
-            rows.append([name, "-", "-", "-", "-", "-", "refused by vLLM's builder (so by `configure`)"])
+            rows.append([name, "-", "-", "-", "-", "-", "-", "refused by vLLM's builder (so by `configure`)"])
             continue
         rows.append([
-            name, f"{row['decodes']} + {row['prefills']}", f"{row['max_error_ours']:.1e}", f"{row['max_error_stock']:.1e}",
+            name, f"{row['decodes']} + {row['prefills']}",
+            f"{row['groups']} / {row['kernels_for_the_groups']} / {row['kernel_plans_this_step']}",
+            f"{row['max_error_ours']:.1e}", f"{row['max_error_stock']:.1e}",
             f"{row['max_error_ours_vs_stock']:.1e}", f"{row['negative_control_error']:.2f}",
             "yes" if row["passed"] else "**no**",
         ])
     return [
         f"**Through vLLM's own classes, a dry run on CPU** (vLLM {harness['vllm']}): the plugin's `WindowLocalBuilder` /",
         "`WindowLocalImpl` against vLLM's `FlashInferMetadataBuilder` / `FlashInferImpl` on one mixed decode +",
-        "prefill step, every layer, real block tables (null blocks in the chunks' middles for ours, garbage outside",
-        "the windows), bf16, against the float32 reference; FlashInfer's kernels, vLLM's compiled cache write and",
-        "one Triton kernel stood in for by torch ([notes/gpu.md](notes/gpu.md) lists them). Not a GPU result:",
+        "prefill step, every layer (one KV cache group each, its own block table: null blocks in the chunks'",
+        "middles for ours, garbage outside the windows), bf16, against the float32 reference; the plugin's kernel",
+        "is one object for the step's groups, planned at most once (none where the previous run had the same",
+        "lengths); FlashInfer's kernels, vLLM's compiled cache write and one Triton kernel stood in for by torch",
+        "([notes/gpu.md](notes/gpu.md) lists them). Not a GPU result:",
         "",
         *_commands("python -m eval.gpu_vllm_harness --json eval/results/gpu-vllm-harness-cpu.json"),
         "",
-        *_table(["case", "decode + prefill requests", "max err ours", "max err stock", "ours vs stock",
-                 "negative control", "passed"], rows),
+        *_table(["case", "decode + prefill requests", "groups / kernels / plans", "max err ours", "max err stock",
+                 "ours vs stock", "negative control", "passed"], rows),
     ]
 
 

@@ -30,6 +30,9 @@ def test_vllm_harness_dry_run_matches_stock_and_reference(tmp_path):
     assert {row["layout"] for row in ran} == {"NHD", "HND"} and report["dry_run"] and report["stand_ins"]
     assert all(row["max_error_ours"] <= report["tolerance"] < row["negative_control_error"] for row in ran)
     assert all(row["decodes"] and row["prefills"] and row["null_blocks_in_ours"] for row in ran)
+    # The step's SWA groups share one kernel, planned at most once for all of them.
+    assert all(row["groups"] == 2 and row["kernels_for_the_groups"] == 1 and row["kernel_plans_this_step"] <= 1
+               for row in ran)
     refused = [row for row in rows if "refused_by_vllm" in row]
     assert refused and all(row["case"]["sinks"] and row["sink_support"] is None for row in refused)
     assert any(row["case"]["sinks"] for row in ran)  # as on SM90 with trtllm-gen's cubins

@@ -167,10 +167,13 @@ class ScratchPrefill:
     ) -> None:
         """Plan the kernel over `layout` (host; `query_start_loc` its requests' new tokens)."""
         index = paged_index(layout, query_start_loc)
+        # Every host array the plan copies to the device is pinned, the key lengths too (derived
+        # into pageable memory otherwise, as vLLM's own build notes).
         self.kernel.plan(
             pinned(index.qo_indptr), pinned(index.kv_indptr), pinned(index.kv_indices), pinned(index.last_page_len),
             num_qo_heads, num_kv_heads, head_dim, layout.block_size, head_dim_vo=head_dim_v, causal=True,
             window_left=window - 1, sm_scale=scale, logits_soft_cap=soft_cap, q_data_type=dtype, kv_data_type=dtype,
+            seq_lens=pinned(layout.seq_lens.to(torch.int32)),
         )
         self.scale = scale
 
