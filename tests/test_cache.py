@@ -61,8 +61,8 @@ def test_hot_prefix_anchor_after_enough_distinct_requests_reuse_it():
     assert hot.node.depth + 1 == len(SYSTEM) // BLOCK
     # The branch point u2 made is the same node: one anchor of two kinds, counted under both.
     assert hot.kinds == {AnchorKind.BRANCH, AnchorKind.HOT}
-    assert m.metrics.anchors_placed["hot"] == m.cache.placement.created[AnchorKind.HOT] == 1
-    assert m.metrics.anchors_placed["branch"] == m.cache.placement.created[AnchorKind.BRANCH] == 1
+    assert m.metrics.anchors_placed["hot"] == m.cache.anchor_policy.created[AnchorKind.HOT] == 1
+    assert m.metrics.anchors_placed["branch"] == m.cache.anchor_policy.created[AnchorKind.BRANCH] == 1
 
 
 def test_where_a_session_went_on_outlives_demoted_anchors_that_never_served():
@@ -87,13 +87,13 @@ def test_a_next_turn_after_its_sessions_anchor_was_evicted_still_counts_for_the_
     first = [make_request(f"s{i}", [9000 + i] * 60) for i in range(12)]
     for request in first:
         run(m, request, output=[5] * 30)
-    useful = m.cache.placement.usefulness(AnchorKind.OUTPUT_END)
-    assert m.metrics.anchors_evicted["output_end"] and not m.cache.placement.served[AnchorKind.OUTPUT_END]
+    useful = m.cache.anchor_policy.usefulness(AnchorKind.OUTPUT_END)
+    assert m.metrics.anchors_evicted["output_end"] and not m.cache.anchor_policy.served[AnchorKind.OUTPUT_END]
     # The latest session's output end was demoted at birth (none has served yet) and evicted.
     turn2 = make_request("s11-2", first[-1].all_token_ids[:-1] + [7] * 20)
     assert run(m, turn2, output=[5]) == 0
-    assert m.cache.placement.served[AnchorKind.OUTPUT_END] == 1
-    assert m.cache.placement.usefulness(AnchorKind.OUTPUT_END) > useful
+    assert m.cache.anchor_policy.served[AnchorKind.OUTPUT_END] == 1
+    assert m.cache.anchor_policy.usefulness(AnchorKind.OUTPUT_END) > useful
 
 
 def test_a_hot_prefix_held_by_a_running_request_outlives_older_anchors():

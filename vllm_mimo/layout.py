@@ -9,10 +9,13 @@ Two views of the same question:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_mimo.kv_cache.geometry import KVGeometry, UnsupportedKVLayout
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -129,4 +132,46 @@ def layout_from_kv_cache_groups(
         max(windows),
         mtp_layers,
         len(draft),
+    )
+
+
+def kv_geometry(kv_cache_config: Any) -> KVGeometry:
+    """The hybrid KV cache's geometry of vLLM's `KVCacheConfig`: plain Full and sliding-window
+    groups only (`UnsupportedKVLayout` otherwise)."""
+    from vllm_mimo.compat import FullAttentionSpec, SlidingWindowSpec
+
+    full: list[int] = []
+    swa: list[int] = []
+    windows: set[int] = set()
+    block_sizes: list[int] = []
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        raise UnsupportedKVLayout(
+            "this KV cache needs new blocks zeroed (mixed-precision pages); the hybrid KV "
+            "manager does not zero blocks"
+        )
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec) is SlidingWindowSpec:
+            swa.append(gid)
+            windows.add(spec.sliding_window)
+        elif type(spec) is FullAttentionSpec:
+            full.append(gid)
+        else:
+            raise UnsupportedKVLayout(
+                f"KV cache group {gid} has a {type(spec).__name__}; the hybrid KV manager "
+                "handles only plain full-attention and sliding-window groups"
+            )
+        block_sizes.append(spec.block_size)
+    if not full or not swa:
+        raise UnsupportedKVLayout(
+            f"the hybrid KV manager needs Full and SWA groups, got {len(full)} Full and "
+            f"{len(swa)} SWA groups"
+        )
+    return KVGeometry(
+        block_size=math.lcm(*block_sizes),
+        num_blocks=kv_cache_config.num_blocks,
+        window=max(windows),
+        full_group_ids=tuple(full),
+        swa_group_ids=tuple(swa),
+        group_block_sizes=tuple(block_sizes),
     )

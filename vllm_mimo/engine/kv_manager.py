@@ -13,16 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_mimo.compat import KVCacheBlock, KVCacheBlocks, PrefixCacheStats, RequestStatus
-from vllm_mimo.config import MimoConfig
+from vllm_mimo.config import MimoConfig, MimoConfigError
 from vllm_mimo.engine.kv_events import KVEventRecorder
 from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
-from vllm_mimo.kv_cache.cache import HybridKVCache
+from vllm_mimo.kv_cache.cache import HybridKVCache, SwaPoolTooSmall
 from vllm_mimo.kv_cache.contract import AnchorPolicy, CacheObserver
 from vllm_mimo.kv_cache.counters import KVManagerMetrics
 from vllm_mimo.kv_cache.geometry import KVGeometry, UnsupportedKVLayout, cdiv
 from vllm_mimo.kv_cache.prefix_tree import Blocks
 from vllm_mimo.kv_cache.tiers.host import Copy, HostMatch, HostTier, LoadPlan
 from vllm_mimo.kv_cache.tiers.l3 import L3Copy, L3Index
+from vllm_mimo.layout import kv_geometry
 
 
 def _group_slices(geometry: KVGeometry, group_ids: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
@@ -92,7 +93,7 @@ class HybridKVCacheManager:
         `anchor_policy`, `host_tier`: what builds them (`HybridKVCache`); the shared store
         behind the host tier comes later, one way: `attach_l3`;
         `enable_kv_cache_events`: record vLLM's KV cache events (`kv_events`, `take_events`)."""
-        geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
+        geometry = kv_geometry(kv_cache_config)
         if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
             raise UnsupportedKVLayout(
                 f"scheduler block size {scheduler_block_size} must equal the least common multiple "
@@ -112,20 +113,23 @@ class HybridKVCacheManager:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.metrics = KVManagerMetrics(block_size=geometry.block_size)
         self.events = KVEventRecorder(kv_cache_config, geometry, hash_block_size) if enable_kv_cache_events else None
-        self.cache = HybridKVCache(
-            geometry,
-            max_model_len,
-            hash_block_size,
-            mimo_config or MimoConfig(),
-            enable_caching=enable_caching,
-            use_eagle=use_eagle,
-            max_num_running=max_num_running,
-            observers=(self.metrics, *observers, *([self.events] if self.events is not None else [])),
-            window_local=window_local,
-            host_pages=host_pages,
-            anchor_policy=anchor_policy,
-            host_tier=host_tier,
-        )
+        try:
+            self.cache = HybridKVCache(
+                geometry,
+                max_model_len,
+                hash_block_size,
+                mimo_config or MimoConfig(),
+                enable_caching=enable_caching,
+                use_eagle=use_eagle,
+                max_num_running=max_num_running,
+                observers=(self.metrics, *observers, *([self.events] if self.events is not None else [])),
+                window_local=window_local,
+                host_pages=host_pages,
+                anchor_policy=anchor_policy,
+                host_tier=host_tier,
+            )
+        except SwaPoolTooSmall as e:  # a config value the user set
+            raise MimoConfigError(str(e)) from None
         self.geometry = geometry
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len

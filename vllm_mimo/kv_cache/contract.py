@@ -253,6 +253,11 @@ class AnchorPolicy(CacheObserver, ABC):
         """What `anchor` is worth per block it keeps, in hit tokens (orders the live anchors:
         `anchors.AnchorState`)."""
 
+    @abstractmethod
+    def check_integrity(self, running: Sequence[str]) -> None:
+        """Assert the policy's own invariants, given the ids of the running requests (slow;
+        `KVCache.check_integrity` calls it)."""
+
     def victim(self, anchors: AnchorSet, include_held: bool = False) -> Anchor | None:
         """The anchor to evict next: the eviction order's (`AnchorSet.victim`). A policy that
         evicts otherwise (eval's clairvoyant bound) overrides it."""
@@ -275,7 +280,7 @@ class KVCache(ABC):
     pools: BlockPools
     tree: PrefixTree
     anchors: AnchorSet
-    placement: AnchorPolicy
+    anchor_policy: AnchorPolicy
     anchor_window_blocks: int
     """Positions of SWA KV an anchor keeps: the window before a hit at its node."""
     anchor_budget_blocks: int

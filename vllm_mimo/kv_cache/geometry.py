@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 
 class UnsupportedKVLayout(ValueError):
@@ -65,43 +63,3 @@ class KVGeometry:
     def swa_blocks_per_request(self) -> int:
         """SWA block ids one decoding request holds: its window plus the position being written."""
         return self.swa_ids_per_position * (self.window_blocks + 1)
-
-    @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: Any) -> KVGeometry:
-        from vllm_mimo.compat import FullAttentionSpec, SlidingWindowSpec
-
-        full: list[int] = []
-        swa: list[int] = []
-        windows: set[int] = set()
-        block_sizes: list[int] = []
-        if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
-            raise UnsupportedKVLayout(
-                "this KV cache needs new blocks zeroed (mixed-precision pages); the hybrid KV "
-                "manager does not zero blocks"
-            )
-        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-            spec = group.kv_cache_spec
-            if type(spec) is SlidingWindowSpec:
-                swa.append(gid)
-                windows.add(spec.sliding_window)
-            elif type(spec) is FullAttentionSpec:
-                full.append(gid)
-            else:
-                raise UnsupportedKVLayout(
-                    f"KV cache group {gid} has a {type(spec).__name__}; the hybrid KV manager "
-                    "handles only plain full-attention and sliding-window groups"
-                )
-            block_sizes.append(spec.block_size)
-        if not full or not swa:
-            raise UnsupportedKVLayout(
-                f"the hybrid KV manager needs Full and SWA groups, got {len(full)} Full and "
-                f"{len(swa)} SWA groups"
-            )
-        return cls(
-            block_size=math.lcm(*block_sizes),
-            num_blocks=kv_cache_config.num_blocks,
-            window=max(windows),
-            full_group_ids=tuple(full),
-            swa_group_ids=tuple(swa),
-            group_block_sizes=tuple(block_sizes),
-        )

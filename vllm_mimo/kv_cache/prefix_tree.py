@@ -384,6 +384,30 @@ class PrefixTree:
 
     # ---------------------------------------------------------------- eviction
 
+    def withdraw_swa(self, node: Node, other: Blocks | None) -> None:
+        """The one request referencing the node's SWA blocks takes them back (they were never
+        computed): `other`, another running request's own copy of the position, replaces them
+        with that request's reference; None leaves the node without SWA KV."""
+        if other is None:
+            assert node.swa_refs == 1 and not node.anchor_refs, node
+            node.swa_refs = 0
+        node.swa_blocks = other
+        if other is None:
+            self.observers.tell_removed((node,), Pool.SWA, DEVICE)
+
+    def withdraw_full(self, node: Node, other: Blocks | None) -> None:
+        """A request takes back the node's Full blocks it gave (never computed), with its
+        reference: `other`, another running request's own copy, replaces them; None removes
+        the node (it is a leaf only that request references)."""
+        if other is None:
+            assert node.full_refs == 1 and not node.full_children, node
+            node.full_refs = 0
+            self.set_full(node, None)
+            self.prune(node)
+            return
+        self.set_full(node, other)
+        node.full_refs -= 1
+
     def set_full(self, node: Node, blocks: Blocks | None) -> None:
         """Set or clear the node's Full blocks, keeping the parent's child count."""
         was = node.full_blocks is not None

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mimo.kv_cache.geometry import KVGeometry
+from vllm_mimo.layout import kv_geometry
 from vllm_mimo.log import logger
 from vllm_mimo.offload.mooncake_store import L3Settings, L3Unavailable, MooncakeL3, l3_key
 
@@ -45,7 +45,7 @@ class PageNames:
     def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
         self.model = str(vllm_config.model_config.model)
         self.layout = layout_digest(kv_cache_config)
-        geometry = KVGeometry.from_kv_cache_config(kv_cache_config)
+        geometry = kv_geometry(kv_cache_config)
         # Page `index` of a position's copy of a kind: (group, block within the position).
         self.groups = {
             kind: [(gid, sub) for gid in gids for sub in range(geometry.blocks_per_position(gid))]
