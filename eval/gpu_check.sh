@@ -8,6 +8,7 @@
 # Here, once:   bash eval/gpu_wheels.sh          (fills .whl/, about 32 MiB)
 #               python -m eval.gpu_check --dry-run --out /tmp/dry.json   (the same code on CPU)
 # There:        device run, carry [".whl"], command: bash eval/gpu_check.sh, timeout_s 480
+#               (timing steps stop starting after BUDGET_S, 330 s by default, the rest marked skipped)
 # The first call of each shape JIT-compiles its FlashInfer kernels (nvcc there); exactness runs
 # first, then the timings; the JSON is rewritten after each step, so a run cut short keeps what
 # it finished. Output: the tables on stdout, JSON and the log in $OUT (the device tool brings
@@ -30,7 +31,7 @@ status=0
   { command -v nvcc && nvcc --version | tail -n 2; } || echo "no nvcc on PATH"
   command -v ninja || echo "no ninja on PATH"
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-  python3 -m eval.gpu_check --out "$out/gpu-check-scratch.json" "$@" || status=$?
+  python3 -m eval.gpu_check --budget-s "${BUDGET_S:-330}" --out "$out/gpu-check-scratch.json" "$@" || status=$?
   if python3 -c 'import vllm' 2>/dev/null; then
     python3 -m eval.gpu_vllm_harness --device cuda --json "$out/gpu-vllm-harness-cuda.json" || status=$?
   else
