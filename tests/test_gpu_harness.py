@@ -7,7 +7,8 @@ classes and config (FlashInfer's kernels stood in for by torch), on mixed decode
 over caches with garbage outside the windows, both cache layouts; it passes only with its
 negative control moving the output past the tolerance. The sink case is refused by vLLM's own
 builder where FlashInfer cannot serve sinks (what `configure` refuses at startup). The device
-script's dry run checks exactness with its negative control, host syncs and its timing rows."""
+script's dry run checks exactness with its negative control, host syncs, its timing rows and
+the host tier's copies."""
 
 from __future__ import annotations
 
@@ -52,3 +53,4 @@ def test_gpu_check_dry_run_passes_its_checks(tmp_path):
     row = report["exactness"][0]
     assert row["max_error_ours"] <= report["tolerance"] < row["negative_control_error"] and row["host_syncs"] == "none"
     assert len(report["timing"]) == 6 and all("error" not in row for row in report["timing"])
+    assert report["host_copy"]["passed"]  # the host tier's copy path, byte-exact, on CPU
