@@ -44,7 +44,9 @@ from vllm_mimo.kv_cache.prefix_tree import Node
 ENGINES = ("swa-free", "mimo", "clairvoyant-placement", "clairvoyant")
 
 # Anchors a request asks for itself: placed whatever the future holds.
-_ALWAYS_PLACED = frozenset({AnchorKind.RESUME, AnchorKind.DECLARED})
+_ALWAYS_PLACED = frozenset(
+    {AnchorKind.RESUME, AnchorKind.DECLARED, AnchorKind.SYSTEM_PROMPT, AnchorKind.CACHE_CONTROL, AnchorKind.PINNED_PROMPT}
+)
 
 
 class Clairvoyance(CacheObserver):

@@ -554,3 +554,17 @@ def test_an_output_end_keeps_its_own_window_where_a_next_turn_ahead_of_it_let_go
     assert 10 in [a.node.depth + 1 for a in m.cache.anchors.of_kind(AnchorKind.OUTPUT_END)]
     later = make_request("later", prompt + answer + list(range(900, 900 + 2 * BLOCK)))
     assert m.get_computed_blocks(later)[1] >= end
+
+
+def test_anchor_kinds_tell_hints_system_prompts_cache_control_and_pins_apart():
+    """The chat APIs' anchors (`system_prompt`, `cache_control`) and pinned prompts
+    (`pinned_prompt`, pinned) are kinds of their own, counted apart from a request's own hints."""
+    m = manager()
+    hints = {"anchors": [BLOCK], "system_prompt": [2 * BLOCK], "cache_control": [3 * BLOCK], "pinned_prompt": [4 * BLOCK]}
+    run(m, make_request("u1", SYSTEM + [1] * 40, extra_args={"mimo": hints}), output=[5])
+    kinds = {kind: m.cache.anchors.of_kind(kind) for kind in (AnchorKind.DECLARED, AnchorKind.SYSTEM_PROMPT,
+                                                              AnchorKind.CACHE_CONTROL, AnchorKind.PINNED_PROMPT)}
+    assert all(len(anchors) == 1 for anchors in kinds.values()), kinds
+    assert [a.pinned for a in kinds.values() for a in a] == [False, False, False, True]
+    assert {k: m.metrics.anchors_placed[k] for k in ("declared", "system_prompt", "cache_control", "pinned_prompt")} == {
+        "declared": 1, "system_prompt": 1, "cache_control": 1, "pinned_prompt": 1}

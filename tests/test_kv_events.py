@@ -156,6 +156,36 @@ def test_events_replay_to_what_the_manager_holds_and_predict_its_hits(full_block
     assert isinstance(events[-1], AllBlocksCleared) and not nonempty(held) and not m.held_block_hashes()
 
 
+def test_a_steps_events_are_batched_per_group_and_medium():
+    """As vLLM's manager sends a step's new blocks: one BlockStored per KV cache group and medium
+    with every block the step cached, and one BlockRemoved per group and medium with every block
+    it evicted, not one event per block."""
+    from collections import Counter
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from tests.kv_helpers import BLOCK, kv_config, make_request
+    from vllm_mimo.compat import RequestStatus
+    from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+
+    m = HybridKVCacheManager(kv_config(40), 4096, BLOCK, BLOCK, max_num_running=4, window_local=True, enable_kv_cache_events=True)
+    first = make_request("a", list(range(1000, 1000 + 8 * BLOCK)))
+    assert m.allocate_slots(first, first.num_tokens, 0, m.get_computed_blocks(first)[0]) is not None
+    first.status, first.num_computed_tokens = RequestStatus.RUNNING, first.num_tokens
+    assert m.allocate_slots(first, 1) is not None  # the next step caches the prompt's blocks
+    stores = [e for e in m.take_events() if isinstance(e, BlockStored)]
+    assert stores and max(Counter((e.group_idx, e.medium) for e in stores).values()) == 1, stores
+    assert max(len(e.block_hashes) for e in stores) == 8, stores
+    first.status = RequestStatus.FINISHED_STOPPED
+    m.free(first)
+    m.take_events()
+    second = make_request("b", list(range(5000, 5000 + 30 * BLOCK)))  # evicts most of the first
+    assert m.allocate_slots(second, second.num_tokens, 0, m.get_computed_blocks(second)[0]) is not None
+    removals = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
+    assert removals and max(Counter((e.group_idx, e.medium) for e in removals).values()) == 1, removals
+    assert max(len(e.block_hashes) for e in removals) > 1, removals
+
+
 def _run(m, request, output: list[int], status) -> None:
     """Admit (with the host's extension), prefill in 48-token chunks, decode `output`, finish."""
     blocks, hit, _ = m.get_computed_blocks(request)
@@ -242,7 +272,6 @@ def test_the_subscriber_predicts_the_managers_window_safe_hit(engine_run):
 
 def main() -> None:
     """The engine run (this file as a script): a JSON job on stdin, `RESULT {...}` on stdout."""
-    import signal
     import tempfile
     import threading
     import time
@@ -276,8 +305,16 @@ def main() -> None:
     llm = LLM(job["model"], kv_events_config=events_config, **ENGINE)
     socket.connect(endpoint)
     threading.Thread(target=subscribe, daemon=True).start()
-    cli = subprocess.Popen([str(Path(sys.executable).with_name("vllm-mimo")), "events", endpoint, "--topic", "kv"],
+    # It ends 10 s after the last batch, once it has printed everything published.
+    cli = subprocess.Popen([str(Path(sys.executable).with_name("vllm-mimo")), "events", endpoint, "--topic", "kv",
+                            "--idle-seconds", "10"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert cli.stderr is not None
+    for line in cli.stderr:  # vLLM's import logs first; then it says it is connected
+        if line.startswith("vllm-mimo events: connected to"):
+            break
+    else:
+        raise AssertionError("vllm-mimo events exited before connecting")
     core = llm.llm_engine.engine_core.engine_core
     manager, publisher = core.scheduler.kv_cache_manager, core.scheduler.kv_event_publisher
     held: dict = {}
@@ -332,8 +369,7 @@ def main() -> None:
     missed: dict = {}
     replay(events[:last_swa] + events[last_swa + 1 :], missed)
     seqs = [seq for seq, _ in received]
-    cli.send_signal(signal.SIGINT)
-    lines = [json.loads(line) for line in cli.communicate(timeout=60)[0].splitlines()]
+    lines = [json.loads(line) for line in cli.communicate(timeout=120)[0].splitlines()]
     print("RESULT " + json.dumps({
         "cli_events": len(lines),
         "cli_equal": [(line["seq"], line["type"], line.get("group_idx"), line.get("medium"), line.get("block_hashes"))

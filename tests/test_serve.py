@@ -11,7 +11,9 @@ usage report the window-safe hit (`prompt_tokens_details.cached_tokens`, and
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import anthropic
 import openai
@@ -186,8 +188,6 @@ def test_startup_lines_agree_with_vllms_and_read_as_the_plugins(servers):
     larger (window-local SWA attention holds a request's window only); its lines name the
     plugin's files, not a bare `scheduler.py` that reads as vLLM's; the custom-scheduler warning
     is answered."""
-    import re
-
     log = servers["on"].log_text()
     (vllm_tokens,) = re.findall(r"CPU KV cache size: ([\d,]+) tokens", log)
     (capacity,) = [line for line in log.splitlines() if "vllm-mimo: KV capacity:" in line]
@@ -198,3 +198,54 @@ def test_startup_lines_agree_with_vllms_and_read_as_the_plugins(servers):
     assert plugin_lines and all("[vllm_mimo/" in line for line in plugin_lines), plugin_lines
     assert "Using custom scheduler class vllm_mimo.engine.scheduler.MimoScheduler" in log
     assert "scheduler MimoScheduler (vLLM's Scheduler: async scheduling is off" in log
+
+
+def _readme_metrics() -> dict[str, tuple[set[str], str]]:
+    """README's metrics table: {series: (its labels besides model_name and engine, when present)}."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `(vllm:mimo_\w+)` \|([^|]*)\|([^|]*)\|", readme, re.M)
+    assert rows, "README has no metrics table"
+    return {name: (set(re.findall(r"`(\w+)`", labels)), present.strip()) for name, labels, present in rows}
+
+
+def _live_metrics(server: VllmServer) -> dict[str, set[tuple]]:
+    """/metrics's vllm:mimo_* samples: {series: {label sets as sorted (name, value) tuples}}."""
+    live: dict[str, set[tuple]] = {}
+    for name, labels in re.findall(r"^(vllm:mimo_\w+)\{([^}]*)\}", requests.get(server.url + "/metrics", timeout=10).text, re.M):
+        live.setdefault(name, set()).add(tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels))))
+    return live
+
+
+def test_readme_documents_every_series_on_metrics_and_its_labels(servers):
+    """Both ways: every vllm:mimo_* series on a live /metrics is in README's table with its labels,
+    and every series the table says is always there is; every labelled one is present from the
+    start, with every value of its label (anchor kinds, pools) at 0 until it counts."""
+    from vllm_mimo.kv_cache.anchors import AnchorKind
+
+    documented, live = _readme_metrics(), _live_metrics(servers["on"])
+    for name, samples in live.items():
+        assert name in documented, f"{name} is on /metrics but not in README's table"
+        for sample in samples:
+            assert {label for label, _ in sample} == {"model_name", "engine"} | documented[name][0], (name, sample)
+    always = {name for name, (_, present) in documented.items() if present == "always"}
+    assert always <= set(live), f"README says always, /metrics lacks: {sorted(always - set(live))}"
+    for name in ("vllm:mimo_anchors_kept_total", "vllm:mimo_anchors_evicted_total"):
+        assert {dict(s)["kind"] for s in live[name]} == {kind.value for kind in AnchorKind}, name
+    assert {dict(s)["pool"] for s in live["vllm:mimo_pool_evicted_blocks_total"]} == {"swa", "full"}
+
+
+def test_anchor_kinds_tell_chat_anchors_and_pins_apart(servers):
+    """The chat APIs' system-prompt and cache_control anchors and the pinned prompt are counted
+    under kinds of their own (the tests above sent both kinds of chat request)."""
+    server = servers["on"]
+    system = [{"role": "system", "content": SHARED_SYSTEM}]
+    _chat(server, system + [{"role": "user", "content": [
+        {"type": "text", "text": DOCUMENT[:400], "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "Why?"}]}])
+    kept = {dict(s)["kind"]: value for s, value in _kind_values(server, "vllm:mimo_anchors_kept_total").items()}
+    assert kept["pinned_prompt"] == 1 and kept["system_prompt"] >= 1 and kept["cache_control"] >= 1, kept
+
+
+def _kind_values(server: VllmServer, name: str) -> dict[tuple, float]:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return {tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels))): float(value)
+            for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M)}

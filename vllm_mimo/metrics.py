@@ -76,6 +76,7 @@ _COUNTERS = {
     "full_cached_tokens": "Prompt tokens the Full-attention index held at admission.",
     "pseudo_hit_tokens": "Full-cached prompt tokens recomputed because their SWA window was missing.",
     "recomputed_swa_tokens": "Tokens whose SWA KV was recomputed while the Full layers had them.",
+    "preempted_hit_tokens": "Hits of requests re-admitted after preemption (not in window_safe_hit_tokens).",
     "prefill_steps_cut": "Steps whose prefill was held back to what the KV pools could take.",
     "integrity_checks": "KV manager integrity checks at idle (check_integrity_at_idle).",
     "integrity_violations": "KV manager integrity checks at idle that found a violation (logged).",

@@ -53,6 +53,7 @@ def follow(endpoint: str, topic: str = "", count: int = 0, seconds: float = 0.0,
     socket: Any = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
     (socket.bind if binds(endpoint) else socket.connect)(endpoint)
+    print(f"vllm-mimo events: {'bound' if binds(endpoint) else 'connected to'} {endpoint}", file=sys.stderr, flush=True)
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     printed = 0
     try:

@@ -7,7 +7,8 @@ models with the plugin on):
     point is turned into a token position by rendering the conversation cut at that point with
     the same chat template and taking the longest common prefix with the full prompt's tokens;
   * `ChatCompletionRequest.to_sampling_params`: the positions go into
-    `SamplingParams.extra_args["mimo"]["anchors"]`, where the KV manager reads them;
+    `SamplingParams.extra_args["mimo"]`, under `system_prompt` and `cache_control` (the anchors'
+    kinds, as the metrics count them), where the KV manager reads them;
   * `AnthropicServingMessages.create_messages`: `/v1/messages` drops `cache_control` while
     converting to a chat request, so the marked prefixes are read from the raw body and
     converted with vLLM's own converter.
@@ -26,13 +27,16 @@ import json
 from collections import OrderedDict
 from typing import Any
 
-from vllm_mimo.kv_cache.anchor_policy import AnchorHintError, declared_anchors
+from vllm_mimo.kv_cache.anchor_policy import AnchorHintError, declared_anchors, mimo_hints
 from vllm_mimo.log import logger
 
-_prefixes: contextvars.ContextVar[list[list[dict]] | None] = contextvars.ContextVar(
+# An anchor point: the hint key its position goes under (`anchor_policy.HINT_KINDS`: the anchor's
+# kind) and the conversation cut there.
+SYSTEM, CACHE_CONTROL = "system_prompt", "cache_control"
+_prefixes: contextvars.ContextVar[list[tuple[str, list[dict]]] | None] = contextvars.ContextVar(
     "vllm_mimo_anthropic_prefixes", default=None
 )
-_anchors: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+_anchors: contextvars.ContextVar[dict[str, list[int]] | None] = contextvars.ContextVar(
     "vllm_mimo_chat_anchors", default=None
 )
 _position_cache: OrderedDict[str, int] = OrderedDict()
@@ -82,25 +86,26 @@ def check_cache_control(value: Any, where: str) -> None:
         )
 
 
-def anchor_prefixes(messages: list[Any], system_anchor: bool) -> list[list[dict]]:
-    """The conversations, cut at each anchor point, whose rendered length is an anchor."""
+def anchor_prefixes(messages: list[Any], system_anchor: bool) -> list[tuple[str, list[dict]]]:
+    """The conversations, cut at each anchor point, whose rendered length is an anchor, each
+    with its hint key (`SYSTEM` or `CACHE_CONTROL`)."""
     messages = [_as_dict(m) for m in messages]
-    prefixes: list[list[dict]] = []
+    prefixes: list[tuple[str, list[dict]]] = []
     leading = 0
     while leading < len(messages) and messages[leading].get("role") in ("system", "developer"):
         leading += 1
     if system_anchor and leading:
-        prefixes.append(messages[:leading])
+        prefixes.append((SYSTEM, messages[:leading]))
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("cache_control") is not None:
                     check_cache_control(part["cache_control"], f"messages[{i}].content[{j}]")
-                    prefixes.append(messages[:i] + [{**message, "content": content[: j + 1]}])
+                    prefixes.append((CACHE_CONTROL, messages[:i] + [{**message, "content": content[: j + 1]}]))
         if message.get("cache_control") is not None:
             check_cache_control(message["cache_control"], f"messages[{i}]")
-            prefixes.append(messages[: i + 1])
+            prefixes.append((CACHE_CONTROL, messages[: i + 1]))
     return prefixes
 
 
@@ -148,16 +153,16 @@ def install(system_anchor: bool) -> None:
             prefixes = anchor_prefixes(request.messages, _system_anchor) + (_prefixes.get() or [])
         except CacheControlError as e:
             return self.create_error_response(str(e), param=e.param)
-        positions = set()
-        for prefix in prefixes:
+        positions = {}  # hint key: positions
+        for key, prefix in prefixes:
             try:
                 position = await _position(self, request, prefix, list(full_ids))
             except Exception as e:  # an anchor is an optimisation: never fail the request for it
                 logger.warning("vllm-mimo: skipping a chat anchor, its prefix did not render: %s", e)
                 continue
             if position:
-                positions.add(position)
-        _anchors.set(sorted(positions) or None)
+                positions.setdefault(key, set()).add(position)
+        _anchors.set({key: sorted(found) for key, found in positions.items()} or None)
         _prefixes.set(None)
         return result
 
@@ -170,11 +175,14 @@ def install(system_anchor: bool) -> None:
         if not anchors:
             return params
         try:
-            declared, pin = declared_anchors(params.extra_args)
+            declared_anchors(params.extra_args)
         except AnchorHintError:
             return params  # rejected, with its message, by the plugin's validation of parameters
+        hints = dict(mimo_hints(params.extra_args) or {})
+        for key, positions in anchors.items():
+            hints[key] = sorted(set(hints.get(key, [])) | set(positions))
         extra = dict(params.extra_args or {})
-        extra["mimo"] = {"anchors": sorted(set(declared) | set(anchors)), "pin": pin}
+        extra["mimo"] = hints
         params.extra_args = extra
         return params
 
@@ -194,7 +202,7 @@ def install(system_anchor: bool) -> None:
     _installed = True
 
 
-async def _anthropic_prefixes(serving: Any, request: Any, raw_request: Any) -> list[list[dict]]:
+async def _anthropic_prefixes(serving: Any, request: Any, raw_request: Any) -> list[tuple[str, list[dict]]]:
     """Chat-format conversations cut after each `cache_control` block of a /v1/messages body."""
     try:
         body = await raw_request.json()
@@ -220,5 +228,5 @@ async def _anthropic_prefixes(serving: Any, request: Any, raw_request: Any) -> l
     for update in cuts:
         cut = request.model_copy(update=update)
         chat = serving.to_chat_completion_request(cut, merge_inline_system=serving._merge_inline_system)
-        prefixes.append([_as_dict(m) for m in chat.messages])
+        prefixes.append((CACHE_CONTROL, [_as_dict(m) for m in chat.messages]))
     return prefixes

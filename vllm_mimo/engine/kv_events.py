@@ -1,5 +1,6 @@
 """KV cache events: the hybrid KV manager's stores and evictions as vLLM's `BlockStored`,
-`BlockRemoved` and `AllBlocksCleared`, for vLLM's publisher (`--kv-events-config`).
+`BlockRemoved` and `AllBlocksCleared`, for vLLM's publisher (`--kv-events-config`), batched
+per step as vLLM's manager batches them (`batch_events`).
 
 `KVEventRecorder` is a cache observer (`base.CacheObserver`). The prefix tree and the host tier
 tell it, where it happens, of every node whose KV of a pool became held or not held on a medium
@@ -61,6 +62,48 @@ class _Position:
     held: set[tuple[Pool, str]] = field(default_factory=set)
 
 
+_SAME_STORE = ("block_size", "lora_id", "lora_name", "medium", "group_idx", "kv_cache_spec_kind",
+               "kv_cache_spec_sliding_window", "locality", "ownership", "session_id")
+
+
+def batch_events(events: Sequence[Any]) -> list[Any]:
+    """`events` as vLLM's manager sends a step's: a store that goes on from the last event of its
+    group and medium (the same fields, its parent that event's last block) joins it, and so does
+    a removal that follows a removal, so a step gives one event per group and medium for every
+    chain it cached or everything it evicted, not one per block. Events of different groups or
+    media are independent for a subscriber (each holds its own set of blocks), so only their
+    interleaving changes; `AllBlocksCleared` stays where it was, between the others."""
+    from vllm_mimo.compat import AllBlocksCleared, BlockStored
+
+    out: list[Any] = []
+    last: dict[tuple[Any, Any], Any] = {}  # (group, medium): its latest event in `out`
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            out.append(event)
+            last.clear()
+            continue
+        key = (event.group_idx, event.medium)
+        before = last.get(key)
+        if before is None or type(before) is not type(event):
+            pass
+        elif not isinstance(event, BlockStored):  # a removal after a removal
+            before.block_hashes += event.block_hashes
+            continue
+        elif event.parent_block_hash == before.block_hashes[-1] and all(
+            getattr(event, f) == getattr(before, f) for f in _SAME_STORE
+        ):
+            if event.extra_keys is not None or before.extra_keys is not None:
+                before.extra_keys = (before.extra_keys or [None] * len(before.block_hashes)) + (
+                    event.extra_keys or [None] * len(event.block_hashes)
+                )
+            before.block_hashes += event.block_hashes
+            before.token_ids += event.token_ids
+            continue
+        out.append(event)
+        last[key] = event
+    return out
+
+
 class KVEventRecorder(CacheObserver):
     """Records the cache's stores and removals as vLLM KV cache events (see the module
     docstring) until `take_events`."""
@@ -89,9 +132,10 @@ class KVEventRecorder(CacheObserver):
         self._events: list[Any] = []
 
     def take_events(self) -> list[Any]:
-        """The events recorded since the last call, in order."""
+        """The events recorded since the last call (vLLM's scheduler takes them once a step),
+        batched by `batch_events`."""
         events, self._events = self._events, []
-        return events
+        return batch_events(events)
 
     # ------------------------------------------------------------ observer
 

@@ -91,6 +91,6 @@ def pin_requests(vllm_config: Any, path: str, hash_block_size: int) -> list[Any]
     hasher = get_request_block_hasher(hash_block_size, hash_fn)
     requests = []
     for i, ids in enumerate(pinned_token_ids(read_pin_file(path), tokenizer)):
-        params = SamplingParams(max_tokens=1, extra_args={"mimo": {"anchors": [len(ids)], "pin": True}})
+        params = SamplingParams(max_tokens=1, extra_args={"mimo": {"pinned_prompt": [len(ids)]}})
         requests.append(Request(f"{REQUEST_ID_PREFIX}{i}", list(ids), params, None, block_hasher=hasher))
     return requests

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.engine.step_budget import StepBudget
+from vllm_mimo.kv_cache.anchors import AnchorKind
 from vllm_mimo.log import logger
 from vllm_mimo.metrics import snapshot_path
 from vllm_mimo.offload.connector import HostTierCounters
@@ -102,8 +103,9 @@ def manager_snapshot(
         "preempted_hit_tokens": metrics.preempted_hit_tokens,
         "withdrawn_positions": metrics.withdrawn_positions,
         "prefill_steps_cut": step_budget.steps_cut if step_budget is not None else 0,
-        "anchors_kept": dict(metrics.anchors_placed),
-        "anchors_evicted": dict(metrics.anchors_evicted),
+        # Every kind from the start, at zero until it happens.
+        "anchors_kept": {kind.value: metrics.anchors_placed[kind.value] for kind in AnchorKind},
+        "anchors_evicted": {kind.value: metrics.anchors_evicted[kind.value] for kind in AnchorKind},
         "anchors": size.anchors,
         "anchor_blocks": size.anchor_swa,
         "held_blocks": size.held,

@@ -104,30 +104,50 @@ def mimo_hints(extra_args: dict | None) -> dict | None:
     return hints
 
 
-def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
-    """Token positions and pin flag from `SamplingParams.extra_args["mimo"]` (`mimo_hints`), validated."""
+HINT_KINDS = {
+    "anchors": AnchorKind.DECLARED,
+    "system_prompt": AnchorKind.SYSTEM_PROMPT,
+    "cache_control": AnchorKind.CACHE_CONTROL,
+    "pinned_prompt": AnchorKind.PINNED_PROMPT,
+}
+"""The position lists of `extra_args["mimo"]` and the anchor kind each gives: `anchors` is the
+user's; the chat APIs fill `system_prompt` and `cache_control`, pinned prompts `pinned_prompt`
+(their anchors are pinned). A position in several counts as the first of them here."""
+
+
+def declared_kinds(extra_args: dict | None) -> tuple[dict[int, AnchorKind], bool]:
+    """Token positions with their kinds (`HINT_KINDS`), and the pin flag, from
+    `SamplingParams.extra_args["mimo"]` (`mimo_hints`), validated."""
     hints = mimo_hints(extra_args)
     if hints is None:
-        return [], False
+        return {}, False
     if not isinstance(hints, dict):
         raise AnchorHintError(f'extra_args["mimo"] must be an object, got {hints!r}')
-    unknown = set(hints) - {"anchors", "pin"}
+    unknown = set(hints) - {*HINT_KINDS, "pin"}
     if unknown:
         raise AnchorHintError(
-            f'unknown keys {sorted(unknown)} in extra_args["mimo"]; allowed: anchors, pin'
+            f'unknown keys {sorted(unknown)} in extra_args["mimo"]; allowed: {", ".join([*HINT_KINDS, "pin"])}'
         )
-    positions = hints.get("anchors", [])
+    kinds: dict[int, AnchorKind] = {}
+    for key, kind in reversed(HINT_KINDS.items()):
+        positions = hints.get(key, [])
+        if not isinstance(positions, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in positions
+        ):
+            raise AnchorHintError(
+                f'extra_args["mimo"]["{key}"] must be a list of positive token positions, got {positions!r}'
+            )
+        kinds.update(dict.fromkeys(positions, kind))
     pin = hints.get("pin", False)
-    if not isinstance(positions, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in positions
-    ):
-        raise AnchorHintError(
-            f'extra_args["mimo"]["anchors"] must be a list of positive token positions, '
-            f"got {positions!r}"
-        )
     if not isinstance(pin, bool):
         raise AnchorHintError(f'extra_args["mimo"]["pin"] must be true or false, got {pin!r}')
-    return positions, pin
+    return kinds, pin
+
+
+def declared_anchors(extra_args: dict | None) -> tuple[list[int], bool]:
+    """Token positions (sorted) and pin flag from `SamplingParams.extra_args["mimo"]`, validated."""
+    kinds, pin = declared_kinds(extra_args)
+    return sorted(kinds), pin
 
 
 class AnchorPlacement(AnchorPolicy):
@@ -243,8 +263,12 @@ class AnchorPlacement(AnchorPolicy):
     def _ends(self, request: Any) -> dict[int, tuple[AnchorKind, bool]]:
         """Anchors a request asks for by where they end (position counts): its declared
         positions and its prompt's end, with their kind and pin flag."""
-        positions, pinned = declared_anchors(getattr(request.sampling_params, "extra_args", None))
-        ends = {p // self.block_size: (AnchorKind.DECLARED, pinned) for p in positions if p // self.block_size}
+        kinds, pinned = declared_kinds(getattr(request.sampling_params, "extra_args", None))
+        ends = {
+            p // self.block_size: (kind, pinned or kind is AnchorKind.PINNED_PROMPT)
+            for p, kind in sorted(kinds.items())
+            if p // self.block_size
+        }
         prompt_blocks = (request.num_prompt_tokens - 1) // self.block_size
         if prompt_blocks:
             ends.setdefault(prompt_blocks, (AnchorKind.PROMPT_END, False))

@@ -28,7 +28,10 @@ from vllm_mimo.kv_cache.prefix_tree import Node
 
 
 class AnchorKind(str, Enum):  # noqa: UP042
-    DECLARED = "declared"  # SamplingParams.extra_args["mimo"]["anchors"], or the chat API
+    DECLARED = "declared"  # SamplingParams.extra_args["mimo"]["anchors"] (vllm_xargs over HTTP)
+    SYSTEM_PROMPT = "system_prompt"  # the end of a chat request's system message (system_prompt_anchor)
+    CACHE_CONTROL = "cache_control"  # the end of a chat content block marked cache_control
+    PINNED_PROMPT = "pinned_prompt"  # the end of a prompt of pin_prompts_file, pinned at startup
     HOT = "hot"  # a node reused by at least `hot_prefix_min_hits` distinct requests
     BRANCH = "branch"  # a node with two or more children: a shared-prefix junction
     PROMPT_END = "prompt_end"  # where a request's prompt ends
