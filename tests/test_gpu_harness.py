@@ -2,9 +2,10 @@
 here of what a lent GPU runs, so the device run has its best chance to work first time.
 
 Slow lane (each in its own process: the dry runs put a stand-in `flashinfer` in sys.modules).
-The harness drives the plugin's CUDA builder and impl through vLLM's own FlashInfer
-classes and config (FlashInfer's kernels stood in for by torch), on mixed decode + prefill steps
-over caches with garbage outside the windows, both cache layouts; it passes only with its
+The harness drives the plugin's CUDA builders and impls through vLLM's own FlashInfer (and, for
+different K/V head sizes, FlashAttention DIFFKV) classes and config (the kernels stood in for by
+torch), on mixed decode + prefill steps over caches with garbage outside the windows, both cache
+layouts; it passes only with its
 negative control moving the output past the tolerance. The sink case is refused by vLLM's own
 builder where FlashInfer cannot serve sinks (what `configure` refuses at startup). The device
 script's dry run checks exactness with its negative control, host syncs, its timing rows and
@@ -32,8 +33,11 @@ def test_vllm_harness_dry_run_matches_stock_and_reference(tmp_path):
     assert all(row["max_error_ours"] <= report["tolerance"] < row["negative_control_error"] for row in ran)
     assert all(row["decodes"] and row["prefills"] and row["null_blocks_in_ours"] for row in ran)
     # The step's SWA groups share one kernel, planned at most once for all of them.
+    flashinfer = [row for row in ran if row["case"]["backend"] == "flashinfer"]
     assert all(row["groups"] == 2 and row["kernels_for_the_groups"] == 1 and row["kernel_plans_this_step"] <= 1
-               for row in ran)
+               for row in flashinfer)
+    # MiMo's K/V head sizes: the plugin's DIFFKV builder and impl against vLLM's FlashAttention ones.
+    assert [row["case"]["backend"] for row in ran if row not in flashinfer] == ["diffkv"]
     refused = [row for row in rows if "refused_by_vllm" in row]
     assert refused and all(row["case"]["sinks"] and row["sink_support"] is None for row in refused)
     assert any(row["case"]["sinks"] for row in ran)  # as on SM90 with trtllm-gen's cubins

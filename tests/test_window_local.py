@@ -28,7 +28,7 @@ import torch
 from tests.conftest import run_engine
 from tests.prompts import corpus_ids
 from vllm_mimo.attention_backends.plan import WindowPlan, mask_null_slots, window_layout
-from vllm_mimo.attention_backends.reference import window_local_prefill
+from vllm_mimo.attention_backends.reference import flash_attn_varlen_reference, window_local_prefill
 
 # ------------------------------------------------------------------ the plan
 
@@ -441,44 +441,6 @@ def test_the_swa_groups_of_a_step_upload_its_layout_once():
 # ------------- the DIFFKV path: one FlashAttention call over the scratch (K and V sizes differ)
 
 
-def flash_attn_call(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
-                    block_table=None, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
-                    return_softmax_lse=False, fa_version=None, bottom_right=True):
-    """`flash_attn_varlen_func` computed by its documented mask rule (vLLM's
-    `vllm_flash_attn/flash_attn_interface.py`, 0.32 and 0.33: query row i of a sequence of sq
-    rows and sk keys sees keys i + sk - sq - left .. i + sk - sq + right, -1 meaning no bound;
-    causal also needs j <= i + sk - sq), in float64: keys ragged (`cu_seqlens_k`) or paged
-    (`block_table`, `seqused_k`, `k` / `v` as `[blocks, block size, kv heads, D]`).
-    `bottom_right=False` aligns the first row with the first key instead: the negative control."""
-    assert return_softmax_lse and softcap == 0.0
-    left, right = window_size or (-1, -1)
-    outs, lses = [], []
-    for r in range(len(cu_seqlens_q) - 1):
-        qr = q[int(cu_seqlens_q[r]) : int(cu_seqlens_q[r + 1])].double()
-        if block_table is None:
-            kr, vr = (t[int(cu_seqlens_k[r]) : int(cu_seqlens_k[r + 1])].double() for t in (k, v))
-        else:
-            n = int(seqused_k[r])
-            pages = block_table[r, : -(-n // k.shape[1])].long()
-            kr, vr = (t[pages].flatten(0, 1)[:n].double() for t in (k, v))
-        sq, sk = qr.shape[0], kr.shape[0]
-        shift = sk - sq if bottom_right else 0
-        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-        seen = torch.ones(sq, sk, dtype=torch.bool)
-        if left >= 0:
-            seen &= j >= i + shift - left
-        if right >= 0:
-            seen &= j <= i + shift + right
-        if causal:
-            seen &= j <= i + shift
-        groups = qr.shape[1] // kr.shape[1]
-        kr, vr = kr.repeat_interleave(groups, 1), vr.repeat_interleave(groups, 1)
-        logits = (torch.einsum("qhd,khd->hqk", qr, kr) * softmax_scale).masked_fill(~seen[None], float("-inf"))
-        lses.append(torch.logsumexp(logits, dim=-1))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), vr))
-    return torch.cat(outs), torch.cat(lses, dim=1)  # [rows, heads, Dv], [heads, rows]
-
-
 def _diffkv_case(bottom_right=True, sinks=True):
     """`_paged_requests` through `cuda_diffkv`: the plan over the step's block table, the scratch
     filled, one call as FlashAttention computes it, the sinks from its LSE. Returns (ours, the
@@ -496,7 +458,7 @@ def _diffkv_case(bottom_right=True, sinks=True):
     def varlen(**kwargs):
         calls.append(kwargs)
         with host_sync_allowed():  # the kernel's stand-in, on the host
-            out, lse = flash_attn_call(**{**kwargs, "return_softmax_lse": True}, bottom_right=bottom_right)
+            out, lse = flash_attn_varlen_reference(**{**kwargs, "return_softmax_lse": True}, bottom_right=bottom_right)
         return (out.float(), lse.float()) if kwargs["return_softmax_lse"] else out.float()
 
     with no_host_sync():

@@ -5,8 +5,9 @@ call over the paged cache.
 
 NOT YET RUN ON A GPU (no GPU with vLLM's CUDA build was lent while it was written). What runs on
 CPU: the plan, the scratch fill and the call with FlashAttention's documented mask rule emulated
-in torch (tests/test_window_local.py). So `swa_attention` stays `stock` on CUDA unless set to
-`window-local` by hand.
+in torch (tests/test_window_local.py), and this module's builder and impl against vLLM's
+FlashAttention DIFFKV classes with that stand-in (`eval/gpu_vllm_harness.py`'s dry run). So
+`swa_attention` stays `stock` on CUDA unless set to `window-local` by hand.
 
 MiMo's model picks its backend itself for these layers (`FLASH_ATTN_DIFFKV` where FA3/4 runs,
 else `TRITON_ATTN_DIFFKV`), past `attention_config.backend_per_kind`; `install` registers this

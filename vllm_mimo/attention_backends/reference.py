@@ -1,8 +1,9 @@
 """Window-local SWA attention in plain torch: the reference every backend is checked against
 (the cached window and the chunk attended apart, merged by log-sum-exp, the sink applied once),
-and `PagedPrefillReference`, a stand-in for FlashInfer's paged prefill wrapper computed by its
-documented mask rule, which runs the CUDA path's kernel layer on CPU (tests, the dry runs of
-`eval/gpu_check.py` and `eval/gpu_vllm_harness.py`).
+and stand-ins for the CUDA kernels computed by their documented mask rules, which run the CUDA
+paths on CPU (tests, the dry runs of `eval/gpu_check.py` and `eval/gpu_vllm_harness.py`):
+`PagedPrefillReference` for FlashInfer's paged prefill wrapper, `flash_attn_varlen_reference`
+for FlashAttention's `flash_attn_varlen_func`.
 
 Shapes, for one request: queries `[q, Hq, Dqk]`; keys `[n, Hkv, Dqk]`; values `[n, Hkv, Dv]`
 (Dv may differ from Dqk, as in MiMo's 192/128); Hq a multiple of Hkv (grouped queries).
@@ -146,3 +147,59 @@ class PagedPrefillReference:
                 part = apply_sinks(part, lse.transpose(0, 1), torch.as_tensor(sinks).float())
             result[a:b] = part.to(result.dtype)
         return result
+
+
+def flash_attn_varlen_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, cu_seqlens_k: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None, softmax_scale: float | None = None, causal: bool = False,
+    window_size: list[int] | None = None, softcap: float = 0.0, return_softmax_lse: bool = False,
+    out: torch.Tensor | None = None, s_aux: torch.Tensor | None = None, bottom_right: bool = True, **_: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attn_varlen_func` computed by its documented mask rule (vLLM's
+    `vllm_flash_attn/flash_attn_interface.py`, 0.32 and 0.33: query row i of a sequence of sq
+    rows and sk keys sees keys i + sk - sq - left .. i + sk - sq + right, -1 meaning no bound;
+    causal also needs j <= i + sk - sq), in float64: keys ragged (`cu_seqlens_k`) or paged
+    (`block_table`, `seqused_k`, `k` / `v` as `[blocks, block size, kv heads, D]`); `s_aux` one
+    sink logit per head. Output `[rows, heads, Dv]` (into `out` when given), and with
+    `return_softmax_lse` the natural-log LSE `[heads, rows]` (of the keys, without the sink).
+    `bottom_right=False` aligns the first row with the first key instead (a negative control)."""
+    if softcap:
+        raise ValueError("flash_attn_varlen_reference has no soft cap")
+    left, right = window_size or (-1, -1)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for r in range(len(cu_seqlens_q) - 1):
+        qr = q[int(cu_seqlens_q[r]) : int(cu_seqlens_q[r + 1])].double()
+        if block_table is None:
+            assert cu_seqlens_k is not None
+            kr, vr = (t[int(cu_seqlens_k[r]) : int(cu_seqlens_k[r + 1])].double() for t in (k, v))
+        else:
+            assert seqused_k is not None
+            n = int(seqused_k[r])
+            pages = block_table[r, : -(-n // k.shape[1])].long()
+            kr, vr = (t[pages].flatten(0, 1)[:n].double() for t in (k, v))
+        sq, sk = qr.shape[0], kr.shape[0]
+        shift = sk - sq if bottom_right else 0
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        seen = torch.ones(sq, sk, dtype=torch.bool)
+        if left >= 0:
+            seen &= j >= i + shift - left
+        if right >= 0:
+            seen &= j <= i + shift + right
+        if causal:
+            seen &= j <= i + shift
+        groups = qr.shape[1] // kr.shape[1]
+        kr, vr = kr.repeat_interleave(groups, 1), vr.repeat_interleave(groups, 1)
+        logits = (torch.einsum("qhd,khd->hqk", qr, kr) * scale).masked_fill(~seen.to(qr.device)[None], float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)
+        part = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1).nan_to_num(0.0), vr)
+        if s_aux is not None:
+            part = apply_sinks(part, lse.transpose(0, 1), s_aux.double())
+        outs.append(part)
+        lses.append(lse)
+    result = torch.cat(outs)
+    if out is not None:
+        out.copy_(result.view(out.shape).to(out.dtype))
+        result = out
+    return (result, torch.cat(lses, dim=1)) if return_softmax_lse else result
