@@ -5,7 +5,8 @@ What a tier that stores SWA tails whole would hold: the comparison that shows wh
 mask-only tier (`vllm_mimo.kv_cache.tiers.host`) buys. A replay engine only: the device no
 longer has the SWA KV of positions behind a window, so its bytes are counted as if written when
 computed. Its one rule in place of the mask-only tier's: a host SWA copy is kept while the
-node's host Full copy is kept.
+node's host Full copy is kept (no host anchor covers a window here, so the tier's own rule frees
+an SWA copy with its node's Full copy).
 """
 
 from __future__ import annotations
@@ -27,11 +28,6 @@ class DenseHostTier(HostTier):
 
     def uncover(self, window: Sequence[Node]) -> None:
         """Host anchors keep no SWA copies here: their Full copies do."""
-
-    def full_freed(self, s: HostSlot) -> None:
-        if s.swa is not None:
-            self._free.extend(s.swa)
-            s.swa = None
 
     def check_swa(self, node: Node, s: HostSlot | None, covering: int) -> None:
         if s is not None:

@@ -95,7 +95,7 @@ def layer_specs(layout: Layout) -> dict:
 
 def kv_cache_config(layout: Layout, kv_bytes: int, vllm_config) -> object:
     """The KVCacheConfig vLLM builds for `layout` with `kv_bytes` of KV cache."""
-    from vllm_mimo.compat import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from eval.vllm_names import get_kv_cache_config_from_groups, get_kv_cache_groups
 
     groups = get_kv_cache_groups(vllm_config, layer_specs(layout))
     config = get_kv_cache_config_from_groups(vllm_config, groups, kv_bytes)

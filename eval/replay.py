@@ -237,7 +237,7 @@ def make_manager(
     `HybridKVCacheManager` is, to build the plugin's engine (with observers, or a measuring
     tool's placement: `eval.replay_diagnose`, `eval.replay_bound`); `host_bytes`: the host tier
     of a host-tier engine."""
-    from vllm_mimo.compat import KVCacheManager, resolve_kv_cache_block_sizes
+    from eval.vllm_names import KVCacheManager, resolve_kv_cache_block_sizes
     from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 
     vllm_config = model_less_vllm_config(params.max_model_len, params.token_budget, params.max_running)
@@ -292,7 +292,8 @@ def page_bytes(config) -> int:
 
 def _full_group_hit(manager, request) -> int:
     """Upstream: tokens the Full group alone holds for this prompt (before window reconciliation)."""
-    from vllm_mimo.compat import FullAttentionManager, FullAttentionSpec
+    from eval.vllm_names import FullAttentionManager
+    from vllm_mimo.compat import FullAttentionSpec
 
     coordinator = manager.coordinator
     for gid, group in enumerate(manager.kv_cache_config.kv_cache_groups):
@@ -314,7 +315,8 @@ def make_hasher(hash_block_size: int) -> Callable:
     """vLLM's block hasher for requests (sha256 chained hashes, as the engine core sets up)."""
     from vllm.utils.hashing import sha256
 
-    from vllm_mimo.compat import get_request_block_hasher, init_none_hash
+    from eval.vllm_names import init_none_hash
+    from vllm_mimo.compat import get_request_block_hasher
 
     init_none_hash(sha256)
     return get_request_block_hasher(hash_block_size, sha256)

@@ -8,15 +8,14 @@ from typing import Any
 
 import torch
 
+from eval.vllm_names import KVCacheGroupSpec, init_none_hash
 from vllm_mimo.compat import (
     FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
     Request,
     RequestStatus,
     SlidingWindowSpec,
     get_request_block_hasher,
-    init_none_hash,
 )
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager

@@ -11,34 +11,16 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
-)
-
-try:  # 0.33 moved KV cache planning out of kv_cache_utils
-    from vllm.v1.core.kv_cache_planning import (
-        get_kv_cache_config_from_groups,
-        get_kv_cache_groups,
-    )
-except ImportError:  # 0.32
-    from vllm.v1.core.kv_cache_utils import (
-        get_kv_cache_config_from_groups,
-        get_kv_cache_groups,
-    )
 from vllm.exceptions import VLLMValidationError  # a request rejected with HTTP 400 (a bare ValueError is a 500)
 from vllm.tokenizers.registry import cached_tokenizer_from_config
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    resolve_kv_cache_block_sizes,
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
 )
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
@@ -50,23 +32,16 @@ except ImportError:  # pragma: no cover - absent on some builds
 __all__ = [
     "VLLMValidationError",
     "current_platform",
-    "FullAttentionManager",
     "FullAttentionSpec",
     "Request",
     "RequestStatus",
     "cached_tokenizer_from_config",
     "get_hash_fn_by_name",
-    "get_kv_cache_config_from_groups",
-    "get_kv_cache_groups",
     "get_request_block_hasher",
-    "init_none_hash",
-    "resolve_kv_cache_block_sizes",
     "KVCacheBlock",
     "KVCacheBlocks",
-    "KVCacheManager",
     "PrefixCacheStats",
     "KVCacheConfig",
-    "KVCacheGroupSpec",
     "RSWASpec",
     "SlidingWindowSpec",
     "vllm_version",

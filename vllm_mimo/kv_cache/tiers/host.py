@@ -22,7 +22,8 @@ The rules, each written once here:
     scheduled (its KV is not computed yet: `HostStats.uncomputed_stores`);
   * host Full copies form a rooted subtree: a node has one only while its parent has one (a
     store walks up to the first node the host holds; eviction goes leaf first);
-  * a host SWA copy is kept while a host anchor's window covers the node;
+  * a host SWA copy is kept while a host anchor's window covers the node (`cover`); one that
+    nothing covers goes at the latest with the node's host Full copy;
   * the host evicts the least recently used host anchor first (last stored or hit), with its
     window and the Full copies up its path that no other host anchor or host child needs;
     nodes of a planned load (`hold_load`) and the anchors whose windows cover them are never
@@ -188,7 +189,7 @@ def host_swa(node: Node) -> Blocks | None:
 
 class HostTier:
     """Host pages, the host copies of the tree's nodes, and the host anchors' order (see the
-    module docstring). Its SWA rule is `swa_to_store`, `cover`, `uncover`, `full_freed` and
+    module docstring). Its SWA rule is `swa_to_store`, `cover`, `uncover` and
     `check_swa`: what a variant of the tier overrides (eval's `DenseHostTier`)."""
 
     def __init__(
@@ -420,17 +421,15 @@ class HostTier:
                 return
             self._release(node, "full", s.full)
             s.full = None
-            self.full_freed(s)
+            if s.swa is not None and not s.swa_refs:  # no host anchor's window keeps it either
+                self._release(node, "swa", s.swa)
+                s.swa = None
             self._vacate(node)
             parent = node.parent
             if parent is not None and parent.depth >= 0:
                 parent.host.children -= 1
             self._prune(node)
             node = parent  # type: ignore[assignment]
-
-    def full_freed(self, s: HostSlot) -> None:
-        """A node's host Full copy was just freed (`s.full` is None): mask-only keeps its SWA
-        copy for the host anchors that cover it."""
 
     def _vacate(self, node: Node) -> None:
         """Drop the node's slot once it holds no copy (see `HostSlot`)."""
