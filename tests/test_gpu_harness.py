@@ -1,5 +1,6 @@
-"""The GPU checks' CPU dry runs (`eval/gpu_vllm_harness.py`, `eval/gpu_check.py`): what runs
-here of what a lent GPU runs, so the device run has its best chance to work first time.
+"""The GPU checks' CPU dry runs (`eval/gpu_vllm_harness.py`, `eval/gpu_check.py`) and what the
+device run carries (`eval/gpu_wheels.sh`): what runs here of what a lent GPU runs, so the device
+run has its best chance to work first time.
 
 Slow lane (each in its own process: the dry runs put a stand-in `flashinfer` in sys.modules).
 The harness drives the plugin's CUDA builders and impls through vLLM's own FlashInfer (and, for
@@ -9,7 +10,8 @@ layouts; it passes only with its
 negative control moving the output past the tolerance. The sink case is refused by vLLM's own
 builder where FlashInfer cannot serve sinks (what `configure` refuses at startup). The device
 script's dry run checks exactness with its negative control, host syncs, its timing rows and
-the host tier's copies."""
+the host tier's copies. Fast lane: the FlashInfer wheel the device run carries keeps the sources
+it builds (cascade among them)."""
 
 from __future__ import annotations
 
@@ -58,3 +60,19 @@ def test_gpu_check_dry_run_passes_its_checks(tmp_path):
     assert row["max_error_ours"] <= report["tolerance"] < row["negative_control_error"] and row["host_syncs"] == "none"
     assert len(report["timing"]) == 6 and all("error" not in row for row in report["timing"])
     assert report["host_copy"]["passed"]  # the host tier's copy path, byte-exact, on CPU
+
+
+def test_gpu_wheels_keeps_the_sources_the_check_builds():
+    """`eval/gpu_wheels.sh` repacks FlashInfer without the CUDA sources the GPU check never
+    builds: it keeps the prefill (fa2 and sm90), decode and cascade (merge) ones and drops the rest."""
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parent.parent / "eval" / "gpu_wheels.sh").read_text()
+    keep = re.compile(re.search(r'keep_csrc = re\.compile\(r"(.+)"\)', script).group(1))
+    csrc = "flashinfer/data/csrc/"
+    for kept in ("cascade.cu", "flashinfer_cascade_binding.cu", "batch_prefill_sm90.cu", "batch_prefill_paged.cu",
+                 "batch_decode.cu", "pytorch_extension_utils.h"):
+        assert keep.match(csrc + kept), kept
+    for dropped in ("fused_moe/moe_kernel.cu", "gemm_groupwise_sm100.cu", "sampling.cu"):
+        assert not keep.match(csrc + dropped), dropped
