@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_mimo.kv_cache.prefix_tree import Node
-from vllm_mimo.kv_cache.tiers.host import HostSlot, HostTier, host_swa
+from vllm_mimo.kv_cache.tiers.host import HostTier
+from vllm_mimo.kv_cache.tiers.host_copies import HostSlot, host_swa
 
 
 class DenseHostTier(HostTier):

@@ -13,7 +13,8 @@ from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout
-from vllm_mimo.kv_cache.tiers.host import HostTier, host_full
+from vllm_mimo.kv_cache.tiers.host import HostTier
+from vllm_mimo.kv_cache.tiers.host_copies import host_full
 
 
 def _manager(num_blocks: int = 40, host_pages: int = 0, host_dense: bool = False, grid: int = 0) -> HybridKVCacheManager:

@@ -142,6 +142,18 @@ def test_unreachable_metadata_service_fails_fast():
             MooncakeL3(settings, segment_bytes=0)
 
 
+@needs_mooncake
+def test_a_port_that_is_no_master_fails_within_seconds_naming_it():
+    """It accepts connections, so the reachability probe passes; Mooncake's own setup would then
+    hang 60-90 s holding the GIL. The trial setup in a child process bounds it."""
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        address = f"127.0.0.1:{fake.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(L3Unavailable, match=rf"{address} accepts connections but did not complete a Mooncake Store setup"):
+            MooncakeL3(L3Settings(master=address, setup_timeout_s=3.0), segment_bytes=0)
+        assert time.monotonic() - start < 8
+
+
 def test_segment_below_mooncakes_minimum_is_refused():
     with pytest.raises(ValueError, match="below Mooncake's minimum"):
         MooncakeL3(L3Settings(master="127.0.0.1:1"), segment_bytes=1 << 20)
@@ -202,6 +214,22 @@ def test_bad_l3_environment_value():
 def test_l3_needs_the_host_tier():
     with pytest.raises(MimoConfigError, match=r"l3_master='h:1' needs the host tier, but host_tier_gib=0"):
         MimoConfig.from_sources({"mimo": {"l3_master": "h:1"}}, environ={})
+
+
+def test_host_tier_and_l3_memory_beyond_the_machine_are_refused_at_startup_with_the_numbers(tiny_models):
+    """Each fits alone; together they do not: vLLM's config build (what `LLM()` and `vllm serve`
+    do first) refuses them, naming both values, their sum and the machine's memory."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_mimo.offload import machine_memory_gib
+
+    half = round(machine_memory_gib() * 0.6, 1)
+    section = {"host_tier_gib": half, "l3_master": "127.0.0.1:1", "l3_gib": half}
+    args = EngineArgs(model=str(tiny_models["mimo"]), enforce_eager=True, max_model_len=2048,
+                      additional_config={"mimo": section})
+    with pytest.raises(Exception, match=rf"host_tier_gib={half:g} plus l3_gib={half:g} \({2 * half:g} GiB of host "
+                       rf"memory\) is more than this machine's memory \(\d+\.\d GiB\); allowed: host_tier_gib \+ l3_gib <= "):
+        args.create_engine_config()
 
 
 def test_l3_keys_without_a_master_are_an_error():

@@ -155,9 +155,9 @@ def configure(vllm_config: Any) -> None:
     if model_config is None or getattr(model_config, "is_submodel_config", False):
         return
     config = MimoConfig.from_vllm_config(vllm_config)
-    from vllm_mimo.offload import check_host_tier_gib
+    from vllm_mimo.offload import check_host_memory
 
-    check_host_tier_gib(config.host_tier_gib)
+    check_host_memory(config.host_tier_gib, config.l3_gib)
     from vllm_mimo.metrics import mark_frontend
 
     mark_frontend()

@@ -20,7 +20,7 @@ from vllm_mimo.kv_cache.geometry import cdiv
 from vllm_mimo.kv_cache.pools import Pool
 from vllm_mimo.kv_cache.prefix_tree import Blocks, Node, TreeMatch, position_hashes
 from vllm_mimo.kv_cache.state import CacheState
-from vllm_mimo.kv_cache.tiers.host import HostMatch
+from vllm_mimo.kv_cache.tiers.host_copies import HostMatch
 
 NO_MATCH = TreeMatch([], 0)
 

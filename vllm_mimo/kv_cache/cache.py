@@ -51,7 +51,8 @@ from vllm_mimo.kv_cache.integrity import Integrity
 from vllm_mimo.kv_cache.pools import BlockPools, Pool
 from vllm_mimo.kv_cache.preemption import Preemption
 from vllm_mimo.kv_cache.prefix_tree import PrefixTree, TreeMatch, position_hashes
-from vllm_mimo.kv_cache.tiers.host import Copy, HostMatch, HostTier, LoadPlan
+from vllm_mimo.kv_cache.tiers.host import HostTier
+from vllm_mimo.kv_cache.tiers.host_copies import Copy, HostMatch, LoadPlan
 from vllm_mimo.kv_cache.tiers.l3 import L3Copy
 
 

@@ -19,18 +19,25 @@ def machine_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
 
 
-def check_host_tier_gib(gib: float) -> None:
-    """`host_tier_gib` must fit in this machine's memory."""
+def check_host_memory(host_tier_gib: float, l3_gib: float = 0.0) -> None:
+    """The host tier and this instance's part of the L3 (`l3_gib`, host memory Mooncake keeps
+    too) must fit in this machine's memory together."""
     total = machine_memory_gib()
-    if gib > total:
+    if host_tier_gib > total:
         raise MimoConfigError(
-            f"host_tier_gib={gib:g} is more than this machine's memory ({total:.1f} GiB); "
+            f"host_tier_gib={host_tier_gib:g} is more than this machine's memory ({total:.1f} GiB); "
             f"allowed: 0 <= host_tier_gib <= {total:.1f} (0 turns the host tier off)"
+        )
+    if host_tier_gib + l3_gib > total:
+        raise MimoConfigError(
+            f"host_tier_gib={host_tier_gib:g} plus l3_gib={l3_gib:g} ({host_tier_gib + l3_gib:g} GiB of host "
+            f"memory) is more than this machine's memory ({total:.1f} GiB); allowed: host_tier_gib + l3_gib "
+            f"<= {total:.1f}"
         )
 
 
 def configure(vllm_config: Any, config: MimoConfig) -> None:
-    """With `host_tier_gib > 0` (checked by `check_host_tier_gib`): install the plugin's KV
+    """With `host_tier_gib > 0` (checked by `check_host_memory`): install the plugin's KV
     connector in the config (refused if prefix caching is off; another connector is refused
     before, for every hybrid model, by `hooks.refuse_other_connector`)."""
     if not config.host_tier_gib:

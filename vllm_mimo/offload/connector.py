@@ -30,10 +30,10 @@ from typing import Any
 
 from vllm_mimo import compat
 from vllm_mimo.config import MimoConfig
-from vllm_mimo.kv_cache.tiers.host import LoadPlan
+from vllm_mimo.kv_cache.tiers.host_copies import LoadPlan
 from vllm_mimo.log import logger
 from vllm_mimo.offload.host_buffer import HostKVBuffer, PageCopy, host_page_bytes, host_pages
-from vllm_mimo.offload.l3_index import L3Page, MooncakeIndex, connect_l3, rank_key
+from vllm_mimo.offload.l3_index import L3Page, L3Watch, MooncakeIndex, connect_l3, rank_key
 from vllm_mimo.offload.mooncake_store import L3Settings
 
 
@@ -62,6 +62,8 @@ class HostTierWorkerMeta(compat.KVConnectorWorkerMetadata):
     l3_available: bool = True
     l3_failed_puts: int = 0
     l3_failed_fetches: int = 0
+    l3_reachable: bool = True
+    """The store's master was up this step (`L3Watch`)."""
 
     def aggregate(self, other: Any) -> HostTierWorkerMeta:
         return HostTierWorkerMeta(
@@ -72,6 +74,7 @@ class HostTierWorkerMeta(compat.KVConnectorWorkerMetadata):
             self.l3_available and other.l3_available,
             self.l3_failed_puts + other.l3_failed_puts,
             self.l3_failed_fetches + other.l3_failed_fetches,
+            self.l3_reachable and other.l3_reachable,
         )
 
 
@@ -93,6 +96,8 @@ class HostTierCounters:
     """Pages a worker did not put to L3 (a failed store's page, or the store refused it)."""
     l3_failed_fetches: int = 0
     """Loads whose reads from L3 missed or came back short (their requests recomputed)."""
+    l3_outages: int = 0
+    """Times a worker found the store's master down (the L3 off until it was back)."""
 
 
 class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
@@ -118,6 +123,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         # Worker side.
         self.buffer: HostKVBuffer | None = None
         self.l3: Any = None  # the worker's `MooncakeL3` client, with the host buffer registered
+        self.l3_watch: L3Watch | None = None
         self.tp_rank = 0
         self._finished: set[str] = set()
         self._failed: set[str] = set()
@@ -199,6 +205,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 if self.manager is not None:
                     self.manager.detach_l3()
                 logger.warning("vllm-mimo: the L3 tier is off: a worker cannot reach the store (see its log)")
+            self._follow_l3(worker.l3_reachable)
         failed = connector_output.failed_recving or set()
         for request_id in connector_output.finished_recving or ():
             plan = self._inflight.pop(request_id, None)
@@ -209,6 +216,24 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 self.counters.failed_loads += 1
                 logger.warning("vllm-mimo: host tier load for request %s failed; it recomputes", request_id)
             self.manager.finish_load(plan, failed=request_id in failed)
+
+    def _follow_l3(self, reachable: bool) -> None:
+        """The L3 is off while a worker finds the store's master down, and on again once it is
+        back (without an engine restart): meanwhile no lookup asks the store and nothing is put
+        or read, so requests recompute what they would have read."""
+        if self.manager is None or self.l3_index is None or self.l3_settings is None:
+            return
+        attached = self.manager.host_tier.l3 is not None
+        if attached and not reachable:
+            self.manager.detach_l3()
+            self.counters.l3_outages += 1
+            logger.warning(
+                "vllm-mimo: the L3 store's master at %s is down: the L3 tier is off until it is back "
+                "(requests recompute what they would have read from it)", self.l3_settings.master,
+            )
+        elif not attached and reachable:
+            self.manager.attach_l3(self.l3_index)
+            logger.info("vllm-mimo: the L3 store's master at %s is back: the L3 tier is on", self.l3_settings.master)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         # A request whose load is still being copied keeps its blocks until the worker reports it.
@@ -248,6 +273,8 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self.l3 = connect_l3(self.l3_settings, self.buffer.memory)
             if self.l3 is None:
                 self._meta().l3_available = False
+            else:
+                self.l3_watch = L3Watch(self.l3)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Runs before every step's forward: this step's puts to L3 read their host pages, then
@@ -256,6 +283,8 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             return
         if self.buffer is None:
             return  # the tier is off: nothing is stored, every load fails
+        if self.l3_watch is not None:
+            self._meta().l3_reachable = self.l3_watch.check()
         if kv_connector_metadata.puts:
             self._put(kv_connector_metadata.puts)
         if not kv_connector_metadata.stores:
@@ -280,9 +309,12 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         assert self.buffer is not None
         good = [p for p in puts if self.buffer.tags[p.page] == p.tag]
         failed = len(puts) - len(good)
-        if self.l3 is not None and good:
+        if self.l3 is not None and self.l3_watch is not None and self.l3_watch.up and good:
             keys = [rank_key(p.key, self.tp_rank) for p in good]
-            failed += sum(not ok for ok in self.l3.put_pages(keys, [p.page for p in good]))
+            ok = self.l3.put_pages(keys, [p.page for p in good])
+            failed += sum(not put for put in ok)
+            if not any(ok):
+                self.l3_watch.failed()
         elif good:
             failed += len(good)
         self._meta().l3_failed_puts += failed
@@ -291,7 +323,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         """L3 to host pages; True if every page came back whole (then it carries its tag)."""
         if not fetches:
             return True
-        if self.l3 is None or self.buffer is None:
+        if self.l3 is None or self.buffer is None or self.l3_watch is None or not self.l3_watch.up:
             return False
         try:
             ok = self.l3.get_pages([rank_key(f.key, self.tp_rank) for f in fetches], [f.page for f in fetches])
@@ -299,6 +331,7 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             logger.warning("vllm-mimo: L3 read of %d pages failed (%s)", len(fetches), e)
             return False
         if not all(ok):
+            self.l3_watch.failed()
             return False
         for f in fetches:
             self.buffer.tags[f.page] = f.tag

@@ -14,7 +14,8 @@ and the same `PYTHONHASHSEED` where one is set (README, KV cache events).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,3 +99,30 @@ def connect_l3(settings: L3Settings, memory: Any) -> MooncakeL3 | None:
         logger.warning("vllm-mimo: the L3 tier is off: %s", e)
         return None
     return client
+
+
+class L3Watch:
+    """Whether the store's master is up, as a worker finds it: down when a transfer fails and the
+    master accepts no connection (`MooncakeL3.reachable`), checked again every `recheck_s` while
+    down, up once it accepts one (Mooncake's client reconnects by itself; a restarted master
+    starts empty, and puts fill it again)."""
+
+    def __init__(self, client: MooncakeL3, recheck_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.recheck_s = recheck_s
+        self.clock = clock
+        self.up = True
+        self._next_check = 0.0
+
+    def failed(self) -> None:
+        """A transfer failed: the master is down if it accepts no connection."""
+        if self.up and not self.client.reachable():
+            self.up = False
+            self._next_check = self.clock() + self.recheck_s
+
+    def check(self) -> bool:
+        """Whether the master is up (asked again while down, at most every `recheck_s`)."""
+        if not self.up and self.clock() >= self._next_check:
+            self.up = self.client.reachable()
+            self._next_check = self.clock() + self.recheck_s
+        return self.up

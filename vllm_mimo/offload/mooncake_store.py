@@ -13,6 +13,8 @@ key for `--default_kv_lease_ttl`, during which it is not evicted).
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,8 @@ class L3Settings:
     protocol: str = "tcp"
     connect_timeout_s: float = 5.0
     """The bound on reaching the master (and the metadata service) before setup."""
+    setup_timeout_s: float = 6.0
+    """The bound on a trial setup against the master (`_check_master`) before the real one."""
 
     @classmethod
     def of(cls, config: MimoConfig) -> L3Settings | None:
@@ -85,6 +89,32 @@ def _probe(host: str, port: int, what: str, timeout_s: float) -> None:
         raise L3Unavailable(f"the Mooncake {what} at {host}:{port} cannot be reached ({e})") from None
 
 
+_TRIAL_SETUP = (
+    "import sys\n"
+    "from mooncake.store import MooncakeDistributedStore\n"
+    "rc = MooncakeDistributedStore().setup(sys.argv[1], sys.argv[2], 0, 0, sys.argv[3], '', sys.argv[4])\n"
+    "sys.exit(0 if rc == 0 else 3)\n"
+)
+
+
+def _check_master(settings: L3Settings, local: str) -> None:
+    """Fail fast on a port that accepts connections but is no master: Mooncake's setup then
+    waits 60-90 s holding the GIL, so a trial setup runs in a child process, bounded by
+    `setup_timeout_s` (about a second against a master)."""
+    args = [sys.executable, "-c", _TRIAL_SETUP, local, settings.metadata, settings.protocol, settings.master]
+    try:
+        proc = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=settings.setup_timeout_s)
+    except subprocess.TimeoutExpired:
+        raise L3Unavailable(
+            f"{settings.master} accepts connections but did not complete a Mooncake Store setup within "
+            f"{settings.setup_timeout_s:g} s: is a Mooncake master listening there?"
+        ) from None
+    if proc.returncode != 0:
+        raise L3Unavailable(
+            f"a trial Mooncake Store setup against the master at {settings.master} failed (exit code {proc.returncode})"
+        )
+
+
 def _local_hostname(host: str, port: int) -> str:
     """This host's address on its route to the master (a UDP connect sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -112,6 +142,7 @@ class MooncakeL3:
             raise L3Unavailable(f"Mooncake's store client cannot be imported ({e}); `make setup` installs it") from None
         self._store: Any = MooncakeDistributedStore()
         local = settings.local_hostname or _local_hostname(host, port)
+        _check_master(settings, local)
         # local_buffer_size 0: every transfer goes from or to the registered buffer.
         rc = self._store.setup(local, settings.metadata, segment_bytes, 0, settings.protocol, "", settings.master)
         if rc != 0:
@@ -136,6 +167,15 @@ class MooncakeL3:
         if rc != 0:
             raise L3Unavailable(f"Mooncake refused to register {buffer.numel()} bytes of host pages (code {rc})")
         self.buffer = buffer
+
+    def reachable(self, timeout_s: float = 0.2) -> bool:
+        """Whether the master accepts a connection now (its client reconnects by itself once it
+        does; while it does not, a put waits about 4 s before it fails)."""
+        try:
+            _probe(*split_address(self.settings.master), "master", timeout_s)
+        except L3Unavailable:
+            return False
+        return True
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether the store holds each key (an error counts as no)."""

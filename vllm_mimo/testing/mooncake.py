@@ -33,6 +33,10 @@ class MooncakeMaster:
     master: str
     metadata: str
     log_path: Path
+    pid: int
+    """The master's process (a fault test kills it)."""
+    args: tuple[str, ...]
+    """How it was started (a fault test starts it again on the same port)."""
 
 
 def mooncake_available() -> str | None:
@@ -75,7 +79,7 @@ def mooncake_master(extra_args: Sequence[str] = ()) -> Iterator[MooncakeMaster]:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(process, port, log_path)
-        yield MooncakeMaster(master=f"127.0.0.1:{port}", metadata=P2P_HANDSHAKE, log_path=log_path)
+        yield MooncakeMaster(f"127.0.0.1:{port}", P2P_HANDSHAKE, log_path, process.pid, tuple(args))
     finally:
         process.terminate()
         try:
