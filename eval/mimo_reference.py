@@ -398,11 +398,13 @@ class MimoReference(nn.Module):
         """Main-head logits [B, T, vocab]."""
         return self.logits(self.hidden(input_ids, positions))
 
-    def all_heads(self, input_ids: torch.Tensor, num_mtp: int | None = None) -> list[torch.Tensor]:
+    def all_heads(self, input_ids: torch.Tensor, num_mtp: int | None = None, detach_trunk: bool = False) -> list[torch.Tensor]:
         """Hidden states of the main model and MTP layers 1..num_mtp on one [B, T] sequence.
 
         Entry 0 has T slots (slot i predicts token i + 1); entry k has T - k slots (slot i
         predicts token i + k + 1, the last slot has no target inside the sequence).
+        `detach_trunk`: the MTP layers read the main model's hidden states without a gradient
+        into it (training: the trunk learns from the main head's loss alone).
         """
         num_mtp = self.num_mtp_layers if num_mtp is None else num_mtp
         t = input_ids.shape[1]
@@ -410,6 +412,8 @@ class MimoReference(nn.Module):
         hs = [self.hidden(input_ids, positions)]
         for k in range(1, num_mtp + 1):
             prev = hs[-1][:, : t - k]
+            if k == 1 and detach_trunk:
+                prev = prev.detach()
             hs.append(self.mtp_hidden(k, input_ids[:, k:], prev, positions[:, : t - k]))
         return hs
 

