@@ -48,6 +48,23 @@ def test_multi_turn_sessions_under_preemption_give_the_same_tokens(sessions):
     assert stock.mimo["prefill_steps_cut"] > 0
 
 
+def test_capacity_line_agrees_with_vllms_on_stock_attention_and_says_why_it_differs_otherwise(sessions):
+    """vLLM's "KV cache size" counts, per request, the SWA blocks of its window and prefill chunk
+    (what stock SWA attention holds); the plugin's capacity line gives the same figure on stock
+    attention and, with window-local attention, a larger one that quotes vLLM's and says why."""
+    def figures(run) -> tuple[str, str]:
+        (vllm,) = re.findall(r"CPU KV cache size: ([\d,]+) tokens", run.log)
+        (line,) = run.log_lines("vllm-mimo: KV capacity:")
+        return vllm, line
+
+    vllm, line = figures(sessions["stock"])
+    assert f"KV capacity: {vllm} tokens" in line and "as vLLM's 'KV cache size' line" in line, line
+    vllm, line = figures(sessions["on"])
+    ours = re.search(r"KV capacity: ([\d,]+) tokens", line)
+    assert ours and int(ours.group(1).replace(",", "")) > int(vllm.replace(",", "")), line
+    assert f"vLLM's 'KV cache size: {vllm} tokens' counts" in line and "window-local" in line, line
+
+
 def _prefix_caching_batches(ids: list[int]) -> list[list[list[int]]]:
     return [[ids[:700], ids[:650] + ids[900:950]], [ids[:700]]]
 

@@ -105,7 +105,7 @@ def _validate_anchor_hints_on_input() -> None:
             past = [p for p in declared_anchors(params.extra_args)[0] if p > length]
             if past:
                 raise VLLMValidationError(
-                    f'extra_args["mimo"]["anchors"]: position {past[0]} is past the end of the prompt, '
+                    f'extra_args["mimo"]: anchor position {past[0]} is past the end of the prompt, '
                     f"which has {length} tokens (an anchor keeps the window before a position in the prompt)",
                     parameter=HINTS_PARAM,
                 )

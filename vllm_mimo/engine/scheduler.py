@@ -131,10 +131,10 @@ class _MimoSchedulerMixin(_SchedulerBase):
         if isinstance(connector, MimoHostTierConnector):
             host_pages = connector.num_pages
         elif connector is not None:
-            logger.warning(
-                "vllm-mimo: a KV connector is configured; the hybrid KV manager does not "
-                "take KV from connectors, so vLLM's own KV manager stays in place"
-            )
+            # Refused at startup already, unless this config bypassed the plugin's hook there.
+            from vllm_mimo.hooks import refuse_other_connector
+
+            refuse_other_connector(self.vllm_config)
             return
         upstream = self.kv_cache_manager  # type: ignore[has-type]
         try:
