@@ -8,10 +8,11 @@ the end):
     the L3 off at startup with a warning;
   * two engines as processes: sessions computed on instance A, their next turns sent to
     instance B, which loads their prefixes from L3 and answers as the plugin-off engine does;
-  * MTP drafting through the tiers: on the trained tiny MiMo, conversations' next turns after
-    the device and the host let them go (the draft layers' KV cache groups travel with the
-    others) give the tokens and the drafts of a device hit. (Not shown yet: a negative control
-    with the draft layers' loaded KV zeroed left the drafts unchanged; see the issue-45 note.)
+  * MTP drafting through the tiers: on the trained tiny MiMo (k = 3, every MTP layer),
+    conversations' next turns after the device and the host let them go (the draft layers' KV
+    cache groups travel with the others) give the tokens and the drafts of a device hit; with
+    noise in the loaded draft KV the drafts change (the hits end 136 tokens before decode, where
+    MTP layers 1-2 read what layer 0 computed from the loaded KV) and the tokens do not.
 """
 
 from __future__ import annotations
@@ -133,6 +134,79 @@ def test_a_store_that_cannot_be_reached_turns_the_l3_off_at_startup(tiny_models)
     assert run.log_lines("the L3 tier is off") and run.mimo["host_tier"]["l3_on"] == 0
 
 
+# ------------------------------------------------------------ the store going away
+
+
+def master_faults() -> None:
+    """Run in the engine's process (a patch): the master named by `L3_FAULT_JOB` (JSON: pid, args,
+    out) is killed before the third turn and started again on its port before the fourth; per
+    turn, the pages read from L3 whole and those put are written to `out`,
+    with the seconds from the restart to the first successful put."""
+    import atexit
+    import signal
+
+    from vllm import LLM
+
+    from vllm_mimo.offload.mooncake_store import MooncakeL3
+
+    spec = json.loads(os.environ["L3_FAULT_JOB"])
+    state = {"turn": 0, "fetched": [0] * 5, "put": [0] * 5, "restart": None, "back_s": None}
+    generate, get, put = LLM.generate, MooncakeL3.get_pages, MooncakeL3.put_pages
+
+    def write() -> None:
+        Path(spec["out"]).write_text(json.dumps(state))
+
+    def turn(self, *args, **kwargs):
+        state["turn"] += 1
+        if state["turn"] == 3:
+            os.kill(spec["pid"], signal.SIGKILL)
+        elif state["turn"] == 4:
+            again = subprocess.Popen(spec["args"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            atexit.register(again.kill)
+            time.sleep(2.0)  # it listens within a second here
+            state["restart"] = time.monotonic()
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            write()
+
+    def counted_get(self, keys, pages):
+        ok = get(self, keys, pages)
+        state["fetched"][state["turn"]] += sum(ok)
+        return ok
+
+    def counted_put(self, keys, pages):
+        ok = put(self, keys, pages)
+        state["put"][state["turn"]] += sum(ok)
+        if any(ok) and state["restart"] is not None and state["back_s"] is None:
+            state["back_s"] = time.monotonic() - state["restart"]
+        return ok
+
+    LLM.generate, MooncakeL3.get_pages, MooncakeL3.put_pages = turn, counted_get, counted_put
+
+
+def test_the_master_killed_and_restarted_while_sessions_run(tiny_models, runs, tmp_path):
+    """Killed before the third turn: puts fail and nothing is read from L3 (requests recompute),
+    with the plugin-off tokens, one warning, `l3_outages` counting it, the engine going on;
+    started again (empty) before the fourth: the L3 is on again within seconds, without an
+    engine restart, and the fourth turn reads from it what it put there again."""
+    out = tmp_path / "faults.json"
+    with mooncake_master() as master:
+        run = run_engine(
+            tiny_models["mimo"], sessions=runs["job"], max_tokens=100, patch="tests.test_l3_engine:master_faults",
+            env={"L3_FAULT_JOB": json.dumps({"pid": master.pid, "args": list(master.args), "out": str(out)})},
+            llm_kwargs={**SIX_USER_KWARGS, "additional_config": _l3(master)},
+        )
+    faults = json.loads(out.read_text())
+    tier = run.mimo["host_tier"]
+    assert _tokens(run) == _tokens(runs["off"])
+    assert len(run.log_lines("master at 127.0.0.1")) >= 1 and len(run.log_lines("is down")) == 1, tier
+    assert tier["l3_outages"] == 1 and tier["l3_on"] == 1 and tier["l3_failed_puts"] > 0, tier
+    assert faults["put"][2] > 0 and faults["put"][3] == 0 and faults["put"][4] > 0, faults
+    assert faults["fetched"][3] == 0 and faults["fetched"][4] > 0, faults  # L3 hits again after the restart
+    assert faults["back_s"] is not None and faults["back_s"] < 10, faults
+
+
 # ------------------------------------------------------------------ two instances
 
 
@@ -204,23 +278,29 @@ def test_a_second_instance_loads_the_first_ones_sessions_from_l3(store, tiny_mod
 # ------------------------------------------------------------- MTP through the tiers
 
 
+MTP_PROMPT, MTP_OUTPUT = 340, 48
+
+
 @pytest.fixture(scope="module")
 def mtp_runs(store):
     from eval.bench_mtp import heldout_sequences, run_engine_job
 
-    prompts = [s.tolist() for s in heldout_sequences(TRAINED, 400, 3, seed=1)]
-    base = {"model": str(TRAINED), "temperatures": [0.0], "k": 1, "max_tokens": 48, "max_model_len": 512}
+    prompts = [s.tolist() for s in heldout_sequences(TRAINED, MTP_PROMPT, 3, seed=1)]
+    base = {"model": str(TRAINED), "temperatures": [0.0], "k": 3, "max_tokens": MTP_OUTPUT, "max_model_len": 512}
     env = {"VLLM_MIMO_MTP_ALL_LAYERS": "1"}
     first = run_engine_job({**base, "prompts": prompts}, env)["results"][0]["runs"]
-    # Each conversation's next turn: a hit at its answer's end, so the drafter's 128-token window
-    # at the next answer reads the draft layer's KV of hit positions.
-    turns = [p + r["ids"] + prompts[(i + 1) % 3][:8] for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
+    # Each conversation's next turn: 388 tokens were computed (3 whole 128-token blocks), the
+    # turn adds 4, so its hit ends a block before them, at 256, 136 tokens before its decode:
+    # MTP layer 0 runs warm over [256, 392), but what it computes there read the loaded layer-0
+    # KV below 256, and layer 1 reads those outputs' KV at decode (layer 2 one hop further).
+    turns = [p + r["ids"] + prompts[(i + 1) % 3][:4] for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
     job = {**base, "prompts": prompts + turns}
     # A device cache for about two conversations, a host tier for one: the next turns load from L3.
-    tiers = {**job, "kv_bytes": 100 * 65536, "additional_config": _l3(store)}
+    tiers = {**job, "kv_bytes": 125 * 65536, "additional_config": _l3(store)}
     return {
         "device": run_engine_job(job, env),
         "tiers": run_engine_job(tiers, env),
+        "scribbled": run_engine_job({**tiers, "patch": "eval.bench_mtp:scribble_drafter_loads"}, env),
     }
 
 
@@ -229,10 +309,27 @@ def _repeats(result: dict) -> list[dict]:
 
 
 def test_mtp_kv_travels_through_host_and_l3_so_hits_from_there_draft_warm(mtp_runs):
+    """Next turns whose hit ends within reach of the drafter's windows at decode, loaded from the
+    host tier and from L3: the tokens and every step's three drafts are a device hit's."""
     device, tiers = mtp_runs["device"], mtp_runs["tiers"]
     tier = tiers["mimo"]["host_tier"]
     assert tier["hit_tokens"] > 0 and tier["l3_hit_tokens"] > 0 and tier["failed_loads"] == 0, tier
-    assert all(r["cached_tokens"] > 0 for r in _repeats(device))
+    assert [r["cached_tokens"] for r in _repeats(device)] == [256] * 3
     for ours, ref in zip(_repeats(tiers), _repeats(device), strict=True):
         assert ours["cached_tokens"] == ref["cached_tokens"]
         assert ours["ids"] == ref["ids"] and ours["drafts"] == ref["drafts"]
+
+
+def test_mtp_kv_scribbled_on_its_way_in_changes_the_drafts_not_the_tokens(mtp_runs):
+    """Negative control of the test above: the same loads with the MTP layers' blocks overwritten
+    with noise once loaded (`eval.bench_mtp.scribble_drafter_loads`) give every next turn other
+    drafts (so the drafter really reads what the tiers brought back), and the same tokens (the
+    target's KV is intact; drafts never change greedy output). Zeroed blocks did not change a
+    draft here: layer 0 reads no loaded position at decode, and what zero keys change in its
+    outputs over the prefilled block is too little for layers 1-2 to flip one (notes/mtp.md)."""
+    scribbled, device = mtp_runs["scribbled"], mtp_runs["device"]
+    tier = scribbled["mimo"]["host_tier"]
+    assert tier["hit_tokens"] > 0 and tier["l3_hit_tokens"] > 0 and tier["failed_loads"] == 0, tier
+    for ours, ref in zip(_repeats(scribbled), _repeats(device), strict=True):
+        assert ours["cached_tokens"] == ref["cached_tokens"] and ours["ids"] == ref["ids"]
+        assert ours["drafts"] != ref["drafts"]
