@@ -2,7 +2,7 @@
 the prompt matters and two controls; the oracle for the bulk, the engine on a subset.
 
     python -m eval.bench_mtp [--model checkpoints/tiny-mimo-copy] [--sequences 60]
-        [--engine --engine-sequences 6] [--json eval/results/bench-mtp.json]
+        [--engine --engine-sequences 3] [--json eval/results/bench-mtp.json]
 
 Workloads (held-out: files `eval.train_tiny` never trained on, seeds it never drew):
 
@@ -10,8 +10,8 @@ Workloads (held-out: files `eval.train_tiny` never trained on, seeds it never dr
   prompt's last ~25-150 tokens, 1..6 files each: answers of ~25 to ~160 tokens;
 - `far`: the same files and answers, a user message of >= W + 16 tokens after them: every span
   sits more than W = 128 tokens before the prompt's end, out of the MTP layers' window;
-- `plain`: held-out standard-library text, a 300-token prompt and its real continuation of 24,
-  80 or 200 tokens.
+- `plain`: held-out standard-library text (seeded offsets in the held-out files' stream), a
+  300-token prompt and its real continuation of 24, 80 or 200 tokens.
 
 Requests are bucketed by their output length (0-32, 32-128, 128-256); a bucket's tokens per
 target step is the output tokens its decode steps produced over those steps (the prefill's
@@ -141,14 +141,16 @@ def workload(folder: Path, name: str, count: int, seed: int) -> tuple[list[Episo
     the same workload (another request's, for the donor row)."""
     from eval.copy_task import episodes, heldout_stream
 
+    tok, stream = heldout_stream(folder)
     if name == "plain":
-        full = heldout_sequences(folder, PLAIN_PROMPT + max(PLAIN_OUTPUTS) + 8, count, seed)
+        rng, length = random.Random(seed), PLAIN_PROMPT + max(PLAIN_OUTPUTS) + 8
+        starts = [rng.randrange(len(stream) - length) for _ in range(count)]
+        full = [stream[s : s + length].long() for s in starts]
         eps = [
             Episode(s[: PLAIN_PROMPT + PLAIN_OUTPUTS[i % len(PLAIN_OUTPUTS)]].tolist(), PLAIN_PROMPT, "plain", 0)
             for i, s in enumerate(full)
         ]
     else:
-        tok, stream = heldout_stream(folder)
         eps = episodes(tok, stream, "near" if name == "copy" else "far", count, seed)
         full = [torch.tensor(e.ids) for e in eps]
     return eps, [full[(i + 1) % len(full)] for i in range(len(full))]
@@ -403,26 +405,32 @@ def skip_drafter_loads() -> None:
     HostKVBuffer.load = without_drafter  # type: ignore[method-assign]
 
 
-def zero_drafter_loads() -> None:
-    """Host loads (and L3 reads) whose MTP-group blocks are zeroed once loaded (run in the
-    engine's process): the negative control of the restores that keep the drafter warm."""
+def scribble_drafter_loads() -> None:
+    """Host loads (and L3 reads) whose MTP-group blocks are overwritten with noise (normal, std
+    10) once loaded (run in the engine's process): the negative control of the restores that
+    keep the drafter warm. Zeros are not enough here: a hit ends a block before what was cached,
+    so layer 0 never reads a loaded position at decode, and zeroed keys, which still take some
+    softmax weight, change what reaches layers 1-2 too little to flip a draft (notes/mtp.md)."""
     from vllm_mimo.offload.host_buffer import HostKVBuffer
 
     skip_drafter_loads()
     skipping = HostKVBuffer.load
+    noise = torch.Generator().manual_seed(0)
 
-    def zeroed(self, copies):
+    def scribbled(self, copies):
         copied = skipping(self, copies)
         if copied is not None:
             for c in copies:
                 if c.group in self.drafter_groups:
                     for kv, dim, _ in self.layers[c.group]:
-                        kv.select(dim, c.block).zero_()
+                        block = kv.select(dim, c.block)
+                        block.copy_(torch.randn(block.shape, generator=noise) * 10)
         return copied
 
-    HostKVBuffer.load = zeroed  # type: ignore[method-assign]
+    HostKVBuffer.load = scribbled  # type: ignore[method-assign]
 
 
+FILLERS, FILLER_PROMPT = 4, 500
 ENGINE_RUNS = (
     # (run, all MTP layers, tiers, patch, {pass: row})
     ("vllm", False, None, None, {0: "vllm k=3 (layer 0 reused)"}),
@@ -431,7 +439,8 @@ ENGINE_RUNS = (
     ("host, no draft KV", True, "host", "eval.bench_mtp:skip_drafter_loads", {1: "ours, restored without draft KV"}),
 )
 """Each run sends the subset's prompts twice (pass 0: fresh; pass 1: the same prompts, which the
-small device cache let go of by then) and reports the passes named."""
+small device cache let go of by then: FILLERS other prompts run between the passes) and reports
+the passes named."""
 
 
 def tier_config(tiers: str | None, master=None) -> dict:
@@ -449,16 +458,19 @@ def engine_bench(folder: Path, names: list[str], count: int, seed: int, quiet: b
     eps = [ep for name in names for ep in workload(folder, name, count, seed)[0]]
     prompts = [ep.ids[: ep.prompt_len] for ep in eps]
     lengths = [ep.answer_len for ep in eps]
+    # between the passes, other prompts push the first pass's out of the small device cache
+    fillers = [ep.ids[:FILLER_PROMPT] for ep in workload(folder, "plain", FILLERS, seed + 1)[0]]
+    second = len(prompts) + len(fillers)
     kind = [ep.kind if ep.kind != "near" else "copy" for ep in eps]
     out: dict = {name: {} for name in names}
     with mooncake_master() as master:
         for run, all_layers, tiers, patch, rows in ENGINE_RUNS:
             t0 = time.time()
             job = {
-                "model": str(folder), "k": K, "temperatures": [0.0], "prompts": prompts + prompts,
-                "max_tokens_each": lengths + lengths, "max_model_len": 1024,
-                # a device cache for about two requests: the second pass loads from the tiers
-                "kv_bytes": 64 * 65536 if tiers else 256 << 20,
+                "model": str(folder), "k": K, "temperatures": [0.0], "prompts": prompts + fillers + prompts,
+                "max_tokens_each": lengths + [4] * len(fillers) + lengths, "max_model_len": 640,
+                # a device cache for about three requests: the second pass loads from the tiers
+                "kv_bytes": 16 << 20 if tiers else 256 << 20,
                 "additional_config": tier_config(tiers, master), "patch": patch,
             }
             result = run_engine_job(job, {"VLLM_MIMO_MTP_ALL_LAYERS": "1" if all_layers else "0"})
@@ -466,11 +478,11 @@ def engine_bench(folder: Path, names: list[str], count: int, seed: int, quiet: b
             for pass_, row in rows.items():
                 tallies: dict[str, dict[str, Tally]] = {}
                 for i in range(len(eps)):
-                    r = runs[pass_ * len(eps) + i]
+                    r = runs[pass_ * second + i]
                     r["prompt"] = prompts[i]
                     done = [(b, a) for b, _, a in realized_steps(len(prompts[i]), r)]
                     tallies.setdefault(kind[i], {}).setdefault(length_bucket(len(r["ids"])), Tally()).add(done, r["seconds"])
-                cached = [runs[pass_ * len(eps) + i]["cached_tokens"] for i in range(len(eps))]
+                cached = [runs[pass_ * second + i]["cached_tokens"] for i in range(len(eps))]
                 for name, by in tallies.items():
                     out[name][row] = {
                         **{b: t.summary() for b, t in sorted(by.items(), key=_bucket_order)},
@@ -498,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequences", type=int, default=60, help="oracle requests per workload, >= 1 (default: 60)")
     p.add_argument("--seed", type=int, default=7, help="seed of the held-out requests (default: 7)")
     p.add_argument("--engine", action="store_true", help="also the vLLM engine rows on a subset")
-    p.add_argument("--engine-sequences", type=int, default=6, help="engine requests per workload, >= 1 (default: 6)")
+    p.add_argument("--engine-sequences", type=int, default=3, help="engine requests per workload, >= 1 (default: 3)")
     p.add_argument("--engine-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress output")

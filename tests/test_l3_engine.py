@@ -8,10 +8,11 @@ the end):
     the L3 off at startup with a warning;
   * two engines as processes: sessions computed on instance A, their next turns sent to
     instance B, which loads their prefixes from L3 and answers as the plugin-off engine does;
-  * MTP drafting through the tiers: on the trained tiny MiMo, conversations' next turns after
-    the device and the host let them go (the draft layers' KV cache groups travel with the
-    others) give the tokens and the drafts of a device hit. (Not shown yet: a negative control
-    with the draft layers' loaded KV zeroed left the drafts unchanged; see the issue-45 note.)
+  * MTP drafting through the tiers: on the trained tiny MiMo (k = 3, every MTP layer),
+    conversations' next turns after the device and the host let them go (the draft layers' KV
+    cache groups travel with the others) give the tokens and the drafts of a device hit; with
+    noise in the loaded draft KV the drafts change (the hits end 136 tokens before decode, where
+    MTP layers 1-2 read what layer 0 computed from the loaded KV) and the tokens do not.
 """
 
 from __future__ import annotations
@@ -277,35 +278,65 @@ def test_a_second_instance_loads_the_first_ones_sessions_from_l3(store, tiny_mod
 # ------------------------------------------------------------- MTP through the tiers
 
 
+MTP_PROMPT, MTP_OUTPUT = 340, 48
+
+
 @pytest.fixture(scope="module")
 def mtp_runs(store):
     from eval.bench_mtp import heldout_sequences, run_engine_job
 
-    prompts = [s.tolist() for s in heldout_sequences(TRAINED, 400, 3, seed=1)]
-    base = {"model": str(TRAINED), "temperatures": [0.0], "k": 1, "max_tokens": 48, "max_model_len": 512}
+    texts = [s.tolist() for s in heldout_sequences(TRAINED, MTP_PROMPT, 6, seed=1)]
+    prompts, fillers = texts[:3], texts[3:]
+    base = {"model": str(TRAINED), "temperatures": [0.0], "k": 3, "max_tokens": MTP_OUTPUT, "max_model_len": 512}
     env = {"VLLM_MIMO_MTP_ALL_LAYERS": "1"}
     first = run_engine_job({**base, "prompts": prompts}, env)["results"][0]["runs"]
-    # Each conversation's next turn: a hit at its answer's end, so the drafter's 128-token window
-    # at the next answer reads the draft layer's KV of hit positions.
-    turns = [p + r["ids"] + prompts[(i + 1) % 3][:8] for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
-    job = {**base, "prompts": prompts + turns}
-    # A device cache for about two conversations, a host tier for one: the next turns load from L3.
-    tiers = {**job, "kv_bytes": 100 * 65536, "additional_config": _l3(store)}
+    # Each conversation's next turn: 388 tokens were computed (3 whole 128-token blocks), the
+    # turn adds 4, so its hit ends a block before them, at 256, 136 tokens before its decode:
+    # MTP layer 0 runs warm over [256, 392), but what it computes there read the loaded layer-0
+    # KV below 256, and layer 1 reads those outputs' KV at decode (layer 2 one hop further).
+    turns = [p + r["ids"] + prompts[(i + 1) % 3][:4] for i, (p, r) in enumerate(zip(prompts, first, strict=True))]
+    # Three other prompts between them push the conversations out of the small device cache.
+    job = {**base, "prompts": prompts + fillers + turns}
+    # A device cache for about two conversations, a host tier for one: the next turns load from
+    # the host tier and from L3.
+    tiers = {**job, "kv_bytes": 125 * 65536, "additional_config": _l3(store)}
     return {
         "device": run_engine_job(job, env),
         "tiers": run_engine_job(tiers, env),
+        "scribbled": run_engine_job({**tiers, "patch": "eval.bench_mtp:scribble_drafter_loads"}, env),
     }
 
 
 def _repeats(result: dict) -> list[dict]:
-    return result["results"][0]["runs"][3:]
+    return result["results"][0]["runs"][6:]
 
 
 def test_mtp_kv_travels_through_host_and_l3_so_hits_from_there_draft_warm(mtp_runs):
+    """Next turns whose hit ends within reach of the drafter's windows at decode, loaded from L3
+    (through the host tier's pages): the tokens and every step's three drafts are a device hit's."""
     device, tiers = mtp_runs["device"], mtp_runs["tiers"]
     tier = tiers["mimo"]["host_tier"]
     assert tier["hit_tokens"] > 0 and tier["l3_hit_tokens"] > 0 and tier["failed_loads"] == 0, tier
-    assert all(r["cached_tokens"] > 0 for r in _repeats(device))
+    assert [r["cached_tokens"] for r in _repeats(device)] == [256] * 3
     for ours, ref in zip(_repeats(tiers), _repeats(device), strict=True):
         assert ours["cached_tokens"] == ref["cached_tokens"]
         assert ours["ids"] == ref["ids"] and ours["drafts"] == ref["drafts"]
+
+
+def test_mtp_kv_scribbled_on_its_way_in_changes_the_drafts_not_the_tokens(mtp_runs):
+    """Negative control of the test above: the same loads with the MTP layers' blocks overwritten
+    with noise once loaded (`eval.bench_mtp.scribble_drafter_loads`) give every next turn that was
+    loaded other drafts (so the drafter really reads what the tiers brought back; a turn still on
+    the device drafts as before), and the same tokens (the target's KV is intact; drafts never
+    change greedy output). L3 pages load through host pages, so both tiers' loads pass the patch.
+    Zeroed blocks did not change a draft here: layer 0 reads no loaded position at decode, and
+    what zero keys change in its outputs over the prefilled block is too little for layers 1-2 to
+    flip one (notes/mtp.md)."""
+    scribbled, device = mtp_runs["scribbled"], mtp_runs["device"]
+    tier = scribbled["mimo"]["host_tier"]
+    assert tier["loads"] >= 2 and tier["l3_hit_tokens"] > 0 and tier["failed_loads"] == 0, tier
+    differ = 0
+    for ours, ref in zip(_repeats(scribbled), _repeats(device), strict=True):
+        assert ours["cached_tokens"] == ref["cached_tokens"] and ours["ids"] == ref["ids"]
+        differ += ours["drafts"] != ref["drafts"]
+    assert differ == tier["loads"], (differ, tier)
