@@ -173,6 +173,7 @@ def test_acceptance_by_bucket_reaches_prometheus(tmp_path, monkeypatch):
         "window_safe_hit_tokens": 0,
         "full_cached_tokens": 0,
         "pseudo_hit_tokens": 0,
+        "preempted_hit_tokens": 0,
         "recomputed_swa_tokens": 0,
         "prefill_steps_cut": 0,
         "withdrawn_positions": 0,
