@@ -11,6 +11,12 @@ its public state:
   * pseudo-hit tokens at first admission by cause: the Full path ends at a node a running
     request holds (its window has moved on), a deeper anchor keeps the Full path alive, or
     the Full path is unreferenced and past every anchor (kept until the memory is wanted);
+  * pseudo-hit tokens by where the Full path ends (the fork point a window there would have
+    made a hit): an earlier request's output end or prompt end, a grid point (every
+    `grid_anchor_tokens`), a junction off the grid (an earlier prompt went on past it), or
+    nowhere of these; and by what became of the anchor that would have served it, an anchor at
+    that node: never placed, or evicted, after it started demoted, was demoted later, or while
+    live (and by what kind it was);
   * anchor evictions by trigger: the anchor budget, or an allocation that needed more SWA
     blocks than one request's window (a prefill: stock attention backends read a prefill
     chunk's keys back from the cache, so each of its tokens needs SWA blocks) or not;
@@ -30,6 +36,7 @@ from pathlib import Path
 
 from eval.replay import SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
+from vllm_mimo.kv_cache.anchors import AnchorKind
 from vllm_mimo.kv_cache.contract import CacheObserver, EvictionCause
 
 SAMPLE_EVERY = 10
@@ -44,6 +51,15 @@ class Diagnosis(CacheObserver):
         self.samples = 0
         self.pseudo_causes: Counter = Counter()
         self.anchor_evictions: Counter = Counter()
+        self.pseudo_ends: Counter = Counter()
+        self.pseudo_anchors: Counter = Counter()
+        self.pseudo_end_anchor: Counter = Counter()  # (where, what became of its anchor)
+        self._grid = getattr(manager.cache.anchor_policy, "grid_blocks", 0)
+        self._request_ends: dict[object, str] = {}  # node key -> "output end" / "prompt end"
+        # Node key -> what became of the latest anchor there: "evicted (...)" once evicted.
+        self._fate: dict[object, str] = {}
+        self._born_demoted: set[int] = set()  # ids of live anchors that started demoted
+        self._just_placed: int | None = None
         self.series: list[tuple[int, int, int]] = []  # (step, anchor SWA, cached Full) per sample
         self._steps = 0
         manager.cache.subscribe(self)
@@ -90,6 +106,45 @@ class Diagnosis(CacheObserver):
             else:
                 cause = "unreferenced Full past every anchor (not yet reclaimed)"
             self.pseudo_causes[cause] += pseudo
+            where = self._where(end, len(path))
+            fate = self._fate.get(end.block_hash, "never placed")
+            if end.anchor is not None:
+                fate = "anchor there (its window not whole)"
+            self.pseudo_ends[where] += pseudo
+            self.pseudo_anchors[fate] += pseudo
+            self.pseudo_end_anchor[f"{where} / {fate}"] += pseudo
+        self._just_placed = None
+
+    def _where(self, end, positions: int) -> str:
+        """Where a pseudo hit's Full path ends (see the module docstring)."""
+        ended = self._request_ends.get(end.block_hash)
+        if ended is not None:
+            return ended
+        if self._grid and positions % self._grid == 0:
+            return "grid point"
+        if end.children:
+            return "junction off the grid (an earlier prompt went on)"
+        return "nowhere of these"
+
+    def cached(self, request, nodes) -> None:
+        self._just_placed = None
+
+    def anchor_placed(self, anchor, kind) -> None:
+        key = anchor.node.block_hash
+        if kind is AnchorKind.OUTPUT_END:
+            self._request_ends[key] = "output end"
+        elif kind is AnchorKind.PROMPT_END:
+            self._request_ends.setdefault(key, "prompt end")
+        if len(anchor.kinds) == 1:  # a new anchor
+            self._fate.pop(key, None)
+            self._just_placed = id(anchor)
+
+    def anchor_demoted(self, anchor) -> None:
+        if self._just_placed == id(anchor) and not anchor.served:
+            self._born_demoted.add(id(anchor))
+        else:
+            self._born_demoted.discard(id(anchor))
+        self._just_placed = None
 
     @staticmethod
     def _anchor_below(node) -> bool:
@@ -109,6 +164,16 @@ class Diagnosis(CacheObserver):
         else:
             trigger = "allocation within a window (decode, short prefill)"
         self.anchor_evictions[trigger] += 1
+        kinds = ",".join(sorted(kind.value for kind in anchor.kinds))
+        if not anchor.demoted:
+            how = "live"
+        elif id(anchor) in self._born_demoted:
+            how = "started demoted"
+        else:
+            how = "demoted later"
+        self._born_demoted.discard(id(anchor))
+        self._fate[anchor.node.block_hash] = f"evicted, {how} ({kinds})"
+        self._just_placed = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         "source": source.name, "layout": args.layout, "skipped_too_long": source.skipped_too_long,
         "kv_gib": args.kv_gib, "blocks": run.num_blocks, "hit_tokens": run.hit_tokens,
         "pseudo_hit_tokens": run.pseudo_hit_tokens, "mean_blocks_by_use": use,
-        "pseudo_hit_tokens_by_cause": dict(m.pseudo_causes), "anchor_evictions_by_trigger": dict(m.anchor_evictions),
+        "pseudo_hit_tokens_by_cause": dict(m.pseudo_causes),
+        "pseudo_hit_tokens_by_end": dict(m.pseudo_ends), "pseudo_hit_tokens_by_anchor_fate": dict(m.pseudo_anchors),
+        "pseudo_hit_tokens_by_end_and_fate": dict(m.pseudo_end_anchor),
+        "anchor_evictions_by_trigger": dict(m.anchor_evictions),
         "anchor_cap_blocks": m.cache.anchor_budget_blocks,
         "series": {"sample_every_steps": SAMPLE_EVERY, "step": [t for t, _, _ in m.series],
                    "anchor_swa": [a for _, a, _ in m.series], "cached_full": [f for _, _, f in m.series]},
@@ -159,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{out['source']} on {args.layout} at {args.kv_gib} GiB ({run.num_blocks} blocks): "
           f"{run.hit_tokens} hit tokens, {run.pseudo_hit_tokens} pseudo-hit tokens")
     for title, table in (("mean blocks by use", use), ("pseudo-hit tokens by cause", m.pseudo_causes),
+                         ("pseudo-hit tokens by where the Full path ends", m.pseudo_ends),
+                         ("pseudo-hit tokens by what became of an anchor there", m.pseudo_anchors),
+                         ("pseudo-hit tokens by both", m.pseudo_end_anchor),
                          ("anchor evictions by trigger", m.anchor_evictions)):
         print(f"  {title}:")
         for name, value in sorted(table.items(), key=lambda kv: -kv[1]):

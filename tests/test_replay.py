@@ -167,6 +167,17 @@ def test_diagnosis_accounts_for_the_blocks_and_the_pseudo_hits(tmp_path, capsys)
     # Every block is somewhere; sampled means of a partition add up to the pool (null block aside).
     assert sum(diagnosis["mean_blocks_by_use"].values()) == pytest.approx(diagnosis["blocks"] - 1, abs=3)
     assert sum(diagnosis["pseudo_hit_tokens_by_cause"].values()) == diagnosis["pseudo_hit_tokens"]
+    # Each pseudo hit is told once by where its Full path ends and once by its anchor's fate.
+    assert diagnosis["pseudo_hit_tokens"] > 0
+    for table in ("pseudo_hit_tokens_by_end", "pseudo_hit_tokens_by_anchor_fate", "pseudo_hit_tokens_by_end_and_fate"):
+        assert sum(diagnosis[table].values()) == diagnosis["pseudo_hit_tokens"], table
+    assert set(diagnosis["pseudo_hit_tokens_by_end"]) <= {
+        "output end", "prompt end", "grid point", "junction off the grid (an earlier prompt went on)", "nowhere of these"
+    }
+    assert all(
+        fate in ("never placed", "anchor there (its window not whole)") or fate.startswith("evicted, ")
+        for fate in diagnosis["pseudo_hit_tokens_by_anchor_fate"]
+    )
     assert "anchor evictions by trigger" in capsys.readouterr().out
 
 
