@@ -54,6 +54,7 @@ NOTES = (
     ("mtp.md", "all three MTP layers as the drafter, warm and cold"),
     ("served.md", "served runs, the soak, exactness and test lanes"),
     ("gpu.md", "what ran on a GPU and what did not"),
+    ("branch-points.md", "where a trace's prompts fork mid-prompt: the pseudo hits and a rule tried"),
 )
 
 

@@ -116,37 +116,6 @@ def _validate_anchor_hints_on_input() -> None:
     InputProcessor.process_inputs = process_inputs
 
 
-def refuse_other_connector(vllm_config: Any) -> None:
-    """The plugin's KV manager takes external KV only from its own connector (the host tier);
-    with any other KV connector (`--kv-transfer-config`, vLLM's `--kv-offloading-size`, LMCache,
-    P/D connectors) it would have to leave vLLM's manager in place and every plugin feature off,
-    so startup stops instead, naming the connector and the two ways on: the plugin off for this
-    model, or the plugin's own host tier in place of vLLM's CPU offloading. vLLM's MultiConnector
-    does not change this, even with the plugin's connector first: it binds every child to the
-    same KV manager and lets the first child that reports a hit load it, but this manager reads
-    every external token as its host tier's (`HybridKVCacheManager.allocate_slots`), so another
-    child's load would be taken for a host-tier load."""
-    from vllm_mimo.offload import CONNECTOR
-
-    transfer = vllm_config.kv_transfer_config
-    name = None if transfer is None else transfer.kv_connector
-    if name is None or name == CONNECTOR:
-        return
-    offloading = vllm_config.cache_config.kv_offloading_size
-    hint = (
-        f" (set by --kv-offloading-size {offloading:g}: the plugin's host tier does that job, "
-        f"--additional-config '{{\"mimo\": {{\"host_tier_gib\": {offloading:g}}}}}' instead)"
-        if offloading is not None
-        else ""
-    )
-    raise MimoConfigError(
-        f"the KV connector {name}{hint} cannot run beside the plugin's KV manager, which takes KV from no "
-        f"other connector; to keep {name}, turn the plugin off for this model with "
-        f"--additional-config '{{\"mimo\": {{\"enable\": false}}}}' (vLLM's own KV manager and every "
-        "connector then work as without the plugin)"
-    )
-
-
 def configure(vllm_config: Any) -> None:
     """Validate the plugin's settings and, for a hybrid SWA model, select its scheduler."""
     from vllm_mimo.layout import layout_from_hf_config
@@ -155,7 +124,7 @@ def configure(vllm_config: Any) -> None:
     if model_config is None or getattr(model_config, "is_submodel_config", False):
         return
     config = MimoConfig.from_vllm_config(vllm_config)
-    from vllm_mimo.offload import check_host_memory
+    from vllm_mimo.offload import check_host_memory, refuse_other_connector
 
     check_host_memory(config.host_tier_gib, config.l3_gib)
     from vllm_mimo.metrics import mark_frontend

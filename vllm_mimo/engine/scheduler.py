@@ -132,7 +132,7 @@ class _MimoSchedulerMixin(_SchedulerBase):
             host_pages = connector.num_pages
         elif connector is not None:
             # Refused at startup already, unless this config bypassed the plugin's hook there.
-            from vllm_mimo.hooks import refuse_other_connector
+            from vllm_mimo.offload import refuse_other_connector
 
             refuse_other_connector(self.vllm_config)
             return
