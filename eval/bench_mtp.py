@@ -120,7 +120,7 @@ def heldout_sequences(folder: Path, length: int, count: int, seed: int) -> list[
     """`count` token sequences of `length` from distinct held-out files, at seeded offsets."""
     from tokenizers import Tokenizer
 
-    from eval.train_tiny import corpus_split, read_text
+    from eval.corpus import corpus_split, read_text
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     _, held = corpus_split()

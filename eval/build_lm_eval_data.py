@@ -2,7 +2,7 @@
 
     python -m eval.build_lm_eval_data [--model checkpoints/tiny-mimo-trained] [--n 300]
 
-Two JSONL files, one document per line, from the held-out files of `eval.train_tiny.corpus_split`
+Two JSONL files, one document per line, from the held-out files of `eval.corpus.corpus_split`
 (never seen in training, tokenizer included), with a fixed seed:
 
 - `next_line_gen.jsonl` (task `mimo_next_line_gen`): a code context (whole preceding lines,
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
-    from eval.train_tiny import corpus_split, stdlib_root
+    from eval.corpus import corpus_split, stdlib_root
 
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     _, held = corpus_split()

@@ -126,10 +126,10 @@ def episodes(tok, stream, kind: str, count: int, seed: int, length: int = 512) -
 
 
 def heldout_stream(folder: Path):
-    """The held-out standard-library files (`eval.train_tiny.corpus_split`) in the model's tokenizer."""
+    """The held-out standard-library files (`eval.corpus.corpus_split`) in the model's tokenizer."""
     from tokenizers import Tokenizer
 
-    from eval.train_tiny import corpus_split, encode_files
+    from eval.corpus import corpus_split, encode_files
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     _, held = corpus_split()
