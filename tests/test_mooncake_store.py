@@ -21,6 +21,10 @@ WHY_NOT = mooncake_available()
 needs_mooncake = pytest.mark.skipif(WHY_NOT is not None, reason=f"no Mooncake Store: {WHY_NOT}")
 
 
+MASTER = pytest.mark.slow
+"""Tests that start a real `mooncake_master` or Mooncake client (seconds each: the slow lane)."""
+
+
 @pytest.fixture(scope="module")
 def store():
     with mooncake_master() as running:
@@ -50,6 +54,7 @@ def _keys(name: str, n: int) -> list[str]:
 
 
 @needs_mooncake
+@MASTER
 def test_put_get_round_trip_and_contains(pair):
     a, b = pair
     _rows(a).copy_(torch.randint(0, 256, _rows(a).shape, dtype=torch.uint8))
@@ -63,6 +68,7 @@ def test_put_get_round_trip_and_contains(pair):
 
 
 @needs_mooncake
+@MASTER
 def test_two_clients_see_each_others_puts(pair):
     a, b = pair
     _rows(a)[0].fill_(1)
@@ -75,6 +81,7 @@ def test_two_clients_see_each_others_puts(pair):
 
 
 @needs_mooncake
+@MASTER
 def test_putting_a_stored_key_again_is_harmless(pair):
     a, _ = pair
     _rows(a)[0].fill_(5)
@@ -87,6 +94,7 @@ def test_putting_a_stored_key_again_is_harmless(pair):
 
 
 @needs_mooncake
+@MASTER
 def test_missing_or_other_size_is_false(store, pair):
     a, _ = pair
     with _client(store, page_bytes=PAGE // 2, segment=0) as small, _client(store, page_bytes=PAGE * 2, segment=0) as big:
@@ -98,6 +106,7 @@ def test_missing_or_other_size_is_false(store, pair):
 
 
 @needs_mooncake
+@MASTER
 def test_a_full_store_refuses_puts_and_never_returns_wrong_bytes():
     """Three times more pages than the store's only segment (16 MiB) holds: some puts fail, and
     every page read back whole is the page put under its key."""
@@ -115,6 +124,7 @@ def test_a_full_store_refuses_puts_and_never_returns_wrong_bytes():
 
 
 @needs_mooncake
+@MASTER
 def test_register_rejects_a_buffer_that_is_not_host_pages(store):
     with MooncakeL3(L3Settings(master=store.master), segment_bytes=0) as client:
         with pytest.raises(RuntimeError, match="register"):
@@ -128,6 +138,7 @@ def test_register_rejects_a_buffer_that_is_not_host_pages(store):
             client.put_pages(_keys("x", 2), [0])
 
 
+@MASTER
 def test_unreachable_master_fails_fast():
     start = time.monotonic()
     with pytest.raises(L3Unavailable, match=r"master at 127\.0\.0\.1:\d+ cannot be reached"):
@@ -135,6 +146,7 @@ def test_unreachable_master_fails_fast():
     assert time.monotonic() - start < 5
 
 
+@MASTER
 def test_unreachable_metadata_service_fails_fast():
     with socket.create_server(("127.0.0.1", 0)) as master:  # accepts connections, serves nothing
         settings = L3Settings(master=f"127.0.0.1:{master.getsockname()[1]}", metadata=f"http://127.0.0.1:{free_port()}/metadata")
@@ -143,6 +155,7 @@ def test_unreachable_metadata_service_fails_fast():
 
 
 @needs_mooncake
+@MASTER
 def test_a_port_that_is_no_master_fails_within_seconds_naming_it():
     """It accepts connections, so the reachability probe passes; Mooncake's own setup would then
     hang 60-90 s holding the GIL. The trial setup in a child process bounds it."""
@@ -154,12 +167,14 @@ def test_a_port_that_is_no_master_fails_within_seconds_naming_it():
         assert time.monotonic() - start < 8
 
 
+@MASTER
 def test_segment_below_mooncakes_minimum_is_refused():
     with pytest.raises(ValueError, match="below Mooncake's minimum"):
         MooncakeL3(L3Settings(master="127.0.0.1:1"), segment_bytes=1 << 20)
 
 
 @needs_mooncake
+@MASTER
 def test_master_that_cannot_start_reports_its_log():
     with pytest.raises(RuntimeError, match="mooncake_master exited with code .*\n.*no_such_flag"):
         with mooncake_master(extra_args=["--no_such_flag=1"]):
@@ -257,6 +272,7 @@ class _CountingIndex:
 
 
 @needs_mooncake
+@MASTER
 def test_an_admission_asks_the_store_once_and_a_waiting_request_not_again_until_the_interval_passes(pair):
     """The lookup's L3 answer is carried into the admission (no second question), and a request
     that waits asks again only once the answers are `answer_ttl_s` old."""
