@@ -1,11 +1,13 @@
 """The allocation path of `HybridKVCache` (`cache.py`): what a request holds, in steps.
 
-`allocate` plans (`_plan_admission` or a running request's holdings, then `_plan_blocks`),
-admits only if the plan fits (`_fits`), then commits (`_commit`: adopt the hit, take blocks,
-plan a host load, tell the anchor policy) and ends (`_allocated`: observers told, positions
-offered to the tree by `cache`, the anchor budget enforced). A request's SWA blocks follow its
-window (`release_window`, `window_start`); the rules of which positions get SWA blocks are the
-module docstring of `cache.py`.
+`allocate` plans in two steps, each a plain value: where the request starts (`_Start`: the
+prefix `_plan_admission` adopts, or a running request's holdings) and the positions that get
+new blocks (`_Positions`, `_plan_blocks`); it admits only if they fit (`_fits`), then commits
+(`_commit`: adopt the hit, take blocks, the `NewBlocks` added, plan a host load, tell the
+anchor policy) and ends (`_allocated`: observers told, positions offered to the tree by
+`cache`, the anchor budget enforced). A request's SWA blocks follow its window
+(`release_window`, `window_start`); the rules of which positions get SWA blocks are the module
+docstring of `cache.py`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from vllm_mimo.kv_cache.tiers.host_copies import HostMatch
 NO_MATCH = TreeMatch([], 0)
 
 
-@dataclass(slots=True)
-class _Plan:
-    """One allocation's plan (`HybridKVCache.allocate`), in positions, and the blocks it took."""
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """What an allocation starts from (`HybridKVCache.allocate`), in positions: the prefix an
+    admission adopts (`_plan_admission`), or a running request's holdings."""
 
     match: TreeMatch
     """The prefix an admission adopts (`NO_MATCH` for a running request)."""
@@ -44,19 +47,23 @@ class _Plan:
     """Nodes an admission takes out of the evictable sets (`TreeMatch.unreferenced`)."""
     extension: HostMatch | None = None
     """The host tier's extension of an admission's hit, loaded (`external_tokens`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Positions:
+    """The positions an allocation gives new blocks (`_plan_blocks`): Full up to `end`, SWA
+    to `loaded`, `windows` and `tail`..`end`."""
+
+    end: int
+    tail: int
     loaded: range = range(0)
     """Positions a host extension loads SWA KV into."""
-    end: int = 0
-    tail: int = 0
-    """New SWA blocks go to `loaded`, `windows` and `tail`..`end`."""
     windows: Collection[int] = frozenset()
     kept: int = 0
     """New SWA positions: the step's `RequestBlocks.step_blocks`."""
     need_full: int = 0
     need_swa: int = 0
-    full: list[Blocks] | None = None
-    swa: list[Blocks | None] | None = None
-    """The positions the allocation added (`NewBlocks`)."""
+    """Block ids to take, per pool."""
 
 
 class Allocation(CacheState):
@@ -88,33 +95,31 @@ class Allocation(CacheState):
                 f"takes them, in whole {bs}-token positions"
             )
         if state is None:
-            plan = self._plan_admission(request, hit_tokens, match, external_tokens, extension)
+            start = self._plan_admission(request, hit_tokens, match, external_tokens, extension)
         else:
             self._release_out_of_window(state, max(0, total_computed - request.num_in_flight_tokens))
             if cdiv(num_slots, bs) <= min(len(state.full), len(state.swa)) and not (hit_tokens or headroom or whole_request):
                 # A step within the positions the request holds (most decode steps): what the
                 # planning below comes to when it adds nothing.
                 return self._allocated(request, state, 0, (), num_lookahead_tokens, num_tokens, cache)
-            plan = _Plan(NO_MATCH, (), 0, len(state.full), len(state.swa))
-        self._plan_blocks(request, state, plan, cdiv(num_slots, bs), num_tokens)
-        need = plan.need_full + plan.need_swa + headroom
+            start = _Start(NO_MATCH, (), 0, len(state.full), len(state.swa))
+        positions = self._plan_blocks(request, state, start, cdiv(num_slots, bs), num_tokens)
+        need = positions.need_full + positions.need_swa + headroom
         if whole_request:
-            total = cdiv(min(request.num_tokens, self.max_model_len), bs) - plan.have_full
-            need = max(plan.need_full, total * self._n_full) + plan.need_swa + headroom
+            total = cdiv(min(request.num_tokens, self.max_model_len), bs) - start.have_full
+            need = max(positions.need_full, total * self._n_full) + positions.need_swa + headroom
         # Held shared anchors are kept for the other requests that reach them; with no other
         # request running they may go, or a request that needs nearly every block could never
         # run (vLLM would wait for it forever).
         evict_held = len(self._requests) == (0 if state is None else 1)
-        if not self._fits(plan, need, evict_held):
+        if not self._fits(start, need, evict_held):
             return None
-        state = self._commit(request, state, plan, evict_held, hit_tokens + external_tokens)
-        return self._allocated(
-            request, state, plan.kept, plan.windows, num_lookahead_tokens, num_tokens, cache, plan.full, plan.swa
-        )
+        state, new = self._commit(request, state, start, positions, evict_held, hit_tokens + external_tokens)
+        return self._allocated(request, state, positions.kept, positions.windows, num_lookahead_tokens, num_tokens, cache, new)
 
     def _plan_admission(
         self, request: Any, hit_tokens: int, match: TreeMatch | None, external_tokens: int, extension: HostMatch | None
-    ) -> _Plan:
+    ) -> _Start:
         """The prefix a request not running yet adopts: a window-safe hit of `hit_tokens` (of
         `match`, or the prefix matched again) and the pseudo hit after it, extended by
         `external_tokens` from the host tier (`extension`, the lookup's, while nothing changed
@@ -133,8 +138,8 @@ class Allocation(CacheState):
                 )
             if not self.enable_caching:
                 match = NO_MATCH
-        plan = _Plan(match, keys, hit, hit + match.takeover(hit), hit)
-        plan.adopted_full, plan.adopted_swa = match.unreferenced(hit, window)
+        adopted_full, adopted_swa = match.unreferenced(hit, window)
+        loaded = None
         if external_tokens:
             extended = extension
             if self.host is None or extended is None or extended.generation != self.host.generation or extended.hit != hit:
@@ -145,34 +150,34 @@ class Allocation(CacheState):
                     f"request {request.request_id}: {external_tokens} external tokens passed in, but the host tier "
                     f"extends its hit of {hit_tokens} tokens by {0 if extended is None else (extended.blocks - hit) * bs}"
                 )
-            plan.extension = replace(extended, blocks=load_end)
-        return plan
+            loaded = replace(extended, blocks=load_end)
+        return _Start(match, keys, hit, hit + match.takeover(hit), hit, adopted_full, adopted_swa, loaded)
 
-    def _plan_blocks(self, request: Any, state: RequestBlocks | None, plan: _Plan, end: int, num_tokens: int) -> None:
+    def _plan_blocks(self, request: Any, state: RequestBlocks | None, start: _Start, end: int, num_tokens: int) -> _Positions:
         """The positions up to `end` that get new blocks: Full every one the request does not
         hold; SWA the positions a host extension loads and those computed from then on, only
         from `tail` on and for `windows` when window-local (see the module docstring)."""
-        computed_from = plan.have_swa
-        if plan.extension is not None:  # loaded, not computed (see the module docstring)
-            load_end = plan.extension.blocks
-            computed_from, plan.loaded = load_end, range(max(plan.hit, load_end - self.window_blocks), load_end)
-        plan.end, plan.tail = end, computed_from
+        computed_from, loaded = start.have_swa, range(0)
+        if start.extension is not None:  # loaded, not computed (see the module docstring)
+            load_end = start.extension.blocks
+            computed_from, loaded = load_end, range(max(start.hit, load_end - self.window_blocks), load_end)
+        tail = computed_from
+        windows: Collection[int] = frozenset()
         if self.window_local and end > computed_from:
-            plan.tail = max(computed_from, min(end, self.window_start(num_tokens)))
-            if plan.tail > computed_from:
-                plan.windows = self.anchor_window_positions(
+            tail = max(computed_from, min(end, self.window_start(num_tokens)))
+            if tail > computed_from:
+                windows = self.anchor_window_positions(
                     request,
-                    plan.match.path if state is None else state.nodes,
-                    plan.hit if state is None else state.num_cached,
-                    len(plan.match.path) - 1 if state is None else -1,
+                    start.match.path if state is None else state.nodes,
+                    start.hit if state is None else state.num_cached,
+                    len(start.match.path) - 1 if state is None else -1,
                     computed_from,
-                    plan.tail,
+                    tail,
                 )
-        plan.kept = len(plan.loaded) + len(plan.windows) + max(0, end - plan.tail)
-        plan.need_full = max(0, end - plan.have_full) * self._n_full
-        plan.need_swa = plan.kept * self._n_swa
+        kept = len(loaded) + len(windows) + max(0, end - tail)
+        return _Positions(end, tail, loaded, windows, kept, max(0, end - start.have_full) * self._n_full, kept * self._n_swa)
 
-    def _fits(self, plan: _Plan, need: int, evict_held: bool) -> bool:
+    def _fits(self, start: _Start, need: int, evict_held: bool) -> bool:
         """Whether `need` block ids are free or evictable once the request adopts its plan."""
         free = self.pools.num_free_total()
         if need <= free:
@@ -181,29 +186,35 @@ class Allocation(CacheState):
         # and, unless `evict_held`, the windows held shared anchors keep (admitting the request
         # may hold more).
         tree, n_full, n_swa = self.tree, self._n_full, self._n_swa
-        evictable_full = (tree.unreferenced_full - plan.adopted_full) * n_full
-        evictable = evictable_full + (tree.retained_swa - plan.adopted_swa) * n_swa
+        evictable_full = (tree.unreferenced_full - start.adopted_full) * n_full
+        evictable = evictable_full + (tree.retained_swa - start.adopted_swa) * n_swa
         # Held windows are part of the retained SWA: count them only when the Full KV alone
         # would not cover the request (the count walks every held anchor).
         if not evict_held and need > free + evictable_full:
-            evictable -= self.anchors.held_window_nodes(plan.match.path, plan.hit, self.window_blocks) * n_swa
+            evictable -= self.anchors.held_window_nodes(start.match.path, start.hit, self.window_blocks) * n_swa
         return need <= free + evictable
 
     def _commit(
-        self, request: Any, state: RequestBlocks | None, plan: _Plan, evict_held: bool, admitted_tokens: int
-    ) -> RequestBlocks:
+        self,
+        request: Any,
+        state: RequestBlocks | None,
+        start: _Start,
+        positions: _Positions,
+        evict_held: bool,
+        admitted_tokens: int,
+    ) -> tuple[RequestBlocks, NewBlocks]:
         """Carry out a plan that fits: admit the request (if new), take its blocks, plan its
-        host load; returns its blocks."""
-        extension = plan.extension
+        host load; returns its blocks and the positions added."""
+        extension = start.extension
         host = self.host if extension is not None else None  # an extension implies a host tier
-        held = host.hold_load(extension, plan.have_full) if host is not None and extension is not None else []
+        held = host.hold_load(extension, start.have_full) if host is not None and extension is not None else []
         admitting = state is None
         if state is None:
-            state = self._admit(plan)
-        self._take_blocks(state, plan, evict_held)
+            state = self._admit(start)
+        new = self._take_blocks(state, start.have_swa, positions, evict_held)
         if host is not None and extension is not None:
             host.plan_load(
-                request.request_id, extension, plan.have_full, held, plan.full, plan.swa,  # type: ignore[arg-type]
+                request.request_id, extension, start.have_full, held, new.full, new.swa,
                 bool(request.num_preemptions), self._tick,
             )
             # The request reads the window before the load's end next: the hit's older SWA goes.
@@ -212,22 +223,22 @@ class Allocation(CacheState):
             self._requests[request.request_id] = state
             for admitted in self._observers.admitted:
                 admitted(request, admitted_tokens, state.nodes)
-            self._apply(self.anchor_policy.on_admitted(request, plan.keys, state.nodes, admitted_tokens))
-        return state
+            self._apply(self.anchor_policy.on_admitted(request, start.keys, state.nodes, admitted_tokens))
+        return state, new
 
-    def _admit(self, plan: _Plan) -> RequestBlocks:
+    def _admit(self, start: _Start) -> RequestBlocks:
         """A new request's blocks: it references its whole Full path, hit and pseudo hit, keeping
         its prefix in the tree. It recomputes the pseudo hit: into the nodes' own Full blocks for
         the first `takeover` positions (nobody else is reading them, and vLLM caches blocks at
         schedule time the same way), into blocks of its own for the rest."""
-        path, hit, window = plan.match.path, plan.hit, self.window_blocks
+        path, hit, window = start.match.path, start.hit, self.window_blocks
         state = RequestBlocks()
         state.swa, anchored = self.tree.adopt(path, hit, window, self._tick)
         state.nodes = list(path)
-        state.full = [node.full_blocks for node in path[: plan.have_full]]  # type: ignore[misc]
+        state.full = [node.full_blocks for node in path[: start.have_full]]  # type: ignore[misc]
         state.swa_start = max(0, hit - window)
         state.num_cached = hit
-        state.adopted_full = plan.have_full
+        state.adopted_full = start.have_full
         # A hit ends at an anchor (or inside a running request's window).
         anchor = path[hit - 1].anchor if hit else None
         decisions = self.anchor_policy.on_hit(anchor, goes_on=len(path) == hit) if anchor is not None else ()
@@ -237,22 +248,23 @@ class Allocation(CacheState):
         self._apply(decisions)
         return state
 
-    def _take_blocks(self, state: RequestBlocks, plan: _Plan, evict_held: bool) -> None:
+    def _take_blocks(self, state: RequestBlocks, have_swa: int, positions: _Positions, evict_held: bool) -> NewBlocks:
         """Evict what the plan needs, take its blocks and give them to the request's positions
-        (`plan.full`, `plan.swa`: the positions it adds)."""
-        n_full, n_swa, need_full, need_swa = self._n_full, self._n_swa, plan.need_full, plan.need_swa
+        (`have_swa`: its SWA entries before them); returns the positions added."""
+        n_full, n_swa, need_full, need_swa = self._n_full, self._n_swa, positions.need_full, positions.need_swa
         need = need_full + need_swa
         if need > self.pools.num_free_total() and not self.evict(need, EvictionCause(need_full, need_swa), evict_held):
             raise AssertionError("allocation plan and pools disagree")
         new_full, new_swa = self.pools.take_many(Pool.FULL, need_full), self.pools.take_many(Pool.SWA, need_swa)
         # zip over one iterator n times: consecutive ids in tuples of n, one per position.
-        plan.full = list(zip(*[iter(new_full)] * n_full, strict=False))
-        plan.swa = [None] * max(0, plan.end - plan.have_swa)
-        positions = (*plan.loaded, *sorted(plan.windows), *range(plan.tail, plan.end))
-        for pos, ids in zip(positions, zip(*[iter(new_swa)] * n_swa, strict=False), strict=False):
-            plan.swa[pos - plan.have_swa] = ids
-        state.full.extend(plan.full)
-        state.swa.extend(plan.swa)
+        full: list[Blocks] = list(zip(*[iter(new_full)] * n_full, strict=False))
+        swa: list[Blocks | None] = [None] * max(0, positions.end - have_swa)
+        order = (*positions.loaded, *sorted(positions.windows), *range(positions.tail, positions.end))
+        for pos, ids in zip(order, zip(*[iter(new_swa)] * n_swa, strict=False), strict=False):
+            swa[pos - have_swa] = ids
+        state.full.extend(full)
+        state.swa.extend(swa)
+        return NewBlocks(full, swa)
 
     def _allocated(
         self,
@@ -263,12 +275,11 @@ class Allocation(CacheState):
         num_lookahead_tokens: int,
         num_tokens: int,
         cache: bool,
-        full: list[Blocks] | None = None,
-        swa: list[Blocks | None] | None = None,
+        new: NewBlocks | None = None,
     ) -> NewBlocks:
         """An allocation's end: the request's step size recorded, observers told, its first
-        `num_tokens` cached (if `cache`), the anchor budget enforced; `full` / `swa` are the
-        positions it added."""
+        `num_tokens` cached (if `cache`), the anchor budget enforced; `new`: the positions it
+        added (none if omitted)."""
         state.step_blocks = step_blocks
         state.lookahead_blocks = cdiv(num_lookahead_tokens, self.block_size) + 1 if num_lookahead_tokens else 0
         if self._observers.allocated:
@@ -279,7 +290,7 @@ class Allocation(CacheState):
         if cache and self.enable_caching:
             self._cache(request, state, min(num_tokens, request.num_tokens))
         self._enforce_anchor_budget()
-        return NewBlocks(full or [], swa or [])
+        return new if new is not None else NewBlocks([], [])
 
     def anchor_window_positions(
         self, request: Any, nodes: Sequence[Node], num_cached: int, junction: int, start: int, stop: int

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vllm_mimo.kv_cache.geometry import KVGeometry
     from vllm_mimo.kv_cache.pools import BlockPools, Pool
     from vllm_mimo.kv_cache.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
+    from vllm_mimo.kv_cache.tiers.host_copies import HostMatch
 
 
 @dataclass(slots=True)
@@ -312,6 +313,7 @@ class KVCache(ABC):
         whole_request: bool = False,
         cache: bool = True,
         external_tokens: int = 0,
+        extension: HostMatch | None = None,
     ) -> NewBlocks | None:
         """Room for `num_new_tokens` more tokens (+ lookahead) of the request, evicting as
         needed; None, changing nothing, if the pools cannot hold them with `headroom` block ids
@@ -321,7 +323,9 @@ class KVCache(ABC):
         `match`, or the prefix matched again), taking references on its nodes. With `cache`,
         the positions the new tokens fill are offered to the tree. `external_tokens`: positions
         past the hit that come from another tier (loaded, not computed); they get blocks like
-        new tokens and count as computed.
+        new tokens and count as computed. `extension`: the host tier's extension of the hit
+        that the lookup found (`HostTier.extend`), used while the host tier has not changed
+        since (else found again), so an admission asks the store once.
         """
 
     @abstractmethod
