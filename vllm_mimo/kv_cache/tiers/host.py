@@ -7,16 +7,16 @@ Device eviction of an anchor demotes it here instead of dropping it (`demote`): 
 copy of the Full KV of the anchor's path (from the anchor up to the first node the host already
 holds) and of the SWA KV of its window only ("mask-only"; eval's `DenseHostTier` keeps every
 stored position's SWA KV, the comparison that shows what mask-only buys). A request's hit then
-extends past the device's (`extend`): to the deepest position whose Full KV is on device or
-host and whose window has SWA KV on device or host. The positions past the device's hit are
-given blocks like new tokens and loaded from host (`hold_load`, `plan_load`: vLLM's external
-computed tokens); then they enter the tree as computed positions do.
+extends past the device's (`extend`); the positions past the device's hit are given blocks
+like new tokens and loaded from host (`hold_load`, `plan_load`: vLLM's external computed
+tokens); then they enter the tree as computed positions do. Those lookups and loads, and their
+rules, are `host_loads.py`'s (`HostLoads`, a part of this class).
 
 The cache calls: `extend` (lookups), `demote` (device anchor eviction), `cached` (positions
 cached this step), `take_stores` (once per step), `hold_load` / `plan_load` / `take_load` /
 `finish_load` (an admission's host extension), `clear`, `check_integrity`.
 
-The rules, each written once here:
+The rules of stores and eviction, each written once here:
   * an evicted device anchor is stored unless it is a grid point or a prompt's end demoted
     before it served (`NOT_STORED_WHEN_GIVEN_UP`), or its node was cached in the step being
     scheduled (its KV is not computed yet: `HostStats.uncomputed_stores`);
@@ -30,12 +30,9 @@ The rules, each written once here:
     evicted;
   * a store that does not fit once every evictable host anchor is gone is skipped: the anchor
     is dropped, as with no host tier;
-  * a load reads the Full copies past what the request adopts from the device and the SWA
-    copies of the window before the load's end;
   * with an L3 (attached by `attach_l3`; its rules in `vllm_mimo.kv_cache.tiers.l3`): the host
     frees to L3 what it evicts to make room (`L3Tier.put`), but not pages whose store from the
-    device is still to be made this step, nor copies dropped by a failed load; a hit extends
-    past the host's Full copies as far as L3 carries it (`L3Tier.reach`).
+    device is still to be made this step, nor copies dropped by a failed load.
 
 Units: host *pages* of the device's block size in bytes. A position's Full copy takes one page
 per Full block id of a position, its SWA copy one page per SWA block id.
@@ -51,18 +48,9 @@ from typing import Any
 
 from vllm_mimo.kv_cache.anchors import Anchor, AnchorKind, AnchorState
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import HOST, Blocks, Node, PrefixTree, TreeMatch
-from vllm_mimo.kv_cache.tiers.host_copies import (
-    Copy,
-    HostAnchor,
-    HostMatch,
-    HostSlot,
-    HostStats,
-    LoadPlan,
-    host_full,
-    host_swa,
-    slot,
-)
+from vllm_mimo.kv_cache.prefix_tree import HOST, Blocks, Node, PrefixTree
+from vllm_mimo.kv_cache.tiers.host_copies import Copy, HostAnchor, HostSlot, HostStats, LoadPlan, host_full, host_swa, slot
+from vllm_mimo.kv_cache.tiers.host_loads import HostLoads
 from vllm_mimo.kv_cache.tiers.l3 import ANSWER_TTL_S, L3Copy, L3Index, L3Tier
 
 NOT_STORED_WHEN_GIVEN_UP = frozenset({AnchorKind.GRID, AnchorKind.PROMPT_END})
@@ -73,9 +61,9 @@ only a retry of that prompt, and one the policy gave up on is not worth a window
 late continues from one."""
 
 
-class HostTier:
+class HostTier(HostLoads):
     """Host pages, the host copies of the tree's nodes, and the host anchors' order (see the
-    module docstring). Its SWA rule is `swa_to_store`, `cover`, `uncover` and
+    module docstring); its lookups and loads are `HostLoads`'. Its SWA rule is `swa_to_store`, `cover`, `uncover` and
     `check_swa`: what a variant of the tier overrides (eval's `DenseHostTier`)."""
 
     def __init__(
@@ -346,186 +334,6 @@ class HostTier:
         self.generation += 1
         self._store_pages.clear()
         self._uncomputed.clear()
-
-    # -------------------------------------------------------------- lookups
-
-    def extend(self, keys: Sequence[Any], match: TreeMatch, hit: int, max_blocks: int) -> HostMatch:
-        """The hit past the device's window-safe `hit` (positions, of `match`) that host copies
-        make: the deepest end L <= `max_blocks` such that every position in `hit`..L has its
-        Full KV on the host or is among the unreferenced device positions right after the hit
-        (`TreeMatch.takeover`), and every position of L's window past `hit` has a host SWA
-        copy (those before `hit` are the device hit's own window); with `back_off` (EAGLE/MTP
-        drafting: 1), L is that many positions short of such an end, whose window and
-        `back_off` positions more are on host (anchor windows are that much longer then), as
-        the device's hits stop a position short for the drafter. With an L3, a position's Full
-        KV past the host's and its SWA KV may be there instead (the module docstring's last
-        rule). Does not change anything."""
-        path = list(match.path[:max_blocks])
-        takeover = match.takeover(hit)
-        nodes = self.tree.nodes
-        # The slots are read inline, not through `host_full` / `host_swa`: this runs per lookup.
-        for key in keys[len(path) : max_blocks]:
-            node = nodes.get(key)
-            if node is None or node.host is None or node.host.full is None:
-                break
-            path.append(node)
-        full_end = hit  # Full KV on the device (taken over) or the host up to here
-        for end in range(hit + 1, len(path) + 1):
-            s = path[end - 1].host
-            if end > hit + takeover and (s is None or s.full is None):
-                break
-            full_end = end
-        l3_swa: frozenset[int] = frozenset()
-        reach = full_end
-        if self.l3 is not None:
-            reach, l3_swa = self.l3.reach(keys, path, hit, full_end, min(max_blocks, len(keys)))
-        best = hit
-        window = self.window_blocks + self.back_off
-        missing = hit - 1  # the last position from `hit` on without a host or L3 SWA copy, so far
-        for end in range(hit + 1, reach + 1):
-            s = path[end - 1].host if end <= len(path) else None
-            if (s is None or s.swa is None) and end - 1 not in l3_swa:
-                missing = end - 1
-            stop = end - self.back_off
-            if stop > hit and missing < max(hit, end - window):
-                best = stop
-        return HostMatch(path, hit, best, full_end, l3_swa, keys, self.generation)
-
-    # ------------------------------------------------------------------ loads
-
-    def _load_sources(self, extension: HostMatch, adopted: int) -> tuple[range, range]:
-        """The positions whose host Full / SWA copies a load of `extension` reads, for a request
-        that adopts the device's first `adopted` positions (the last rule of the module
-        docstring)."""
-        hit, end = extension.hit, extension.blocks
-        return range(max(hit, adopted), end), range(max(hit, end - self.window_blocks), end)
-
-    def hold_load(self, extension: HostMatch, adopted: int) -> list[Node]:
-        """Keep the host copies a load of `extension` reads until `plan_load`'s plan is done;
-        returns the nodes held."""
-        full, swa = self._load_sources(extension, adopted)
-        return self.hold(
-            [extension.path[p] for p in full if p < extension.l3_from]
-            + [extension.path[p] for p in swa if p not in extension.l3_swa]
-        )
-
-    def plan_load(
-        self,
-        request_id: str,
-        extension: HostMatch,
-        adopted: int,
-        held: list[Node],
-        full: Sequence[Blocks],
-        swa: Sequence[Blocks | None],
-        preempted: bool,
-        tick: int,
-    ) -> None:
-        """The copies from host of an admission with a host extension (`take_load`): into its
-        new Full blocks `full` (from position `adopted` on) and SWA blocks `swa` (from the
-        device hit on); `held`: what `hold_load` held for it."""
-        plan = LoadPlan(held=held)
-        path = extension.path
-        full_range, swa_range = self._load_sources(extension, adopted)
-        from_l3_full = [pos for pos in full_range if pos >= extension.l3_from]
-        from_l3_swa = [pos for pos in swa_range if pos in extension.l3_swa]
-        pages = len(from_l3_full) * self.full_pages + len(from_l3_swa) * self.swa_pages
-        plan.failed = not self._fetch_room(pages)
-        if plan.failed:
-            self.stats.l3_short_loads += 1
-        else:
-            plan.fetches = [self._fetch(extension.keys[pos], "full", self.full_pages) for pos in from_l3_full]
-            plan.fetches += [self._fetch(extension.keys[pos], "swa", self.swa_pages) for pos in from_l3_swa]
-            plan.scratch = [page for fetch in plan.fetches for page in fetch.host]
-            self._scratch.update(plan.scratch)
-        fetched = iter(fetch.host for fetch in plan.fetches)
-        plan.full = [
-            Copy(path[pos].host.full if pos < extension.l3_from else next(fetched, ()), full[pos - adopted])
-            for pos in full_range
-        ]
-        plan.swa = [
-            Copy(path[pos].host.swa if pos not in extension.l3_swa else next(fetched, ()), swa[pos - extension.hit])  # type: ignore[arg-type]
-            for pos in swa_range
-        ]
-        stats = self.stats
-        stats.loaded_full += len(plan.full)
-        stats.loaded_swa += len(plan.swa)
-        stats.l3_loaded_full += len(from_l3_full)
-        stats.l3_loaded_swa += len(from_l3_swa)
-        tokens = (extension.blocks - extension.hit) * self.block_size
-        stats.hit_tokens += tokens
-        stats.l3_hit_tokens += max(0, extension.blocks - max(extension.hit, extension.l3_from)) * self.block_size
-        if preempted:
-            stats.swapped_in_tokens += tokens
-        if extension.blocks <= len(path):
-            self.touch(path[extension.blocks - 1], tick)
-        self._loads[request_id] = plan
-
-    def _fetch_room(self, pages: int) -> bool:
-        """Free `pages` host pages for a load from L3, evicting host anchors nothing holds."""
-        while len(self._free) < pages:
-            if not self._make_room():
-                return False
-        return True
-
-    def _fetch(self, block_hash: Any, kind: str, count: int) -> L3Copy:
-        """A read of one position's `kind` pages from L3 into new host pages."""
-        assert self.l3 is not None
-        return self.l3.fetch(block_hash, kind, self._take(count))
-
-    def take_load(self, request_id: str) -> LoadPlan | None:
-        """The copies from host that the latest admission of this request needs, held until
-        `finish_load`."""
-        return self._loads.pop(request_id, None)
-
-    def hold(self, nodes: Iterable[Node]) -> list[Node]:
-        """Keep these nodes' host copies until `release` (a planned load reads them)."""
-        held = list(nodes)
-        for node in held:
-            self._holds[id(node)] = self._holds.get(id(node), 0) + 1
-        return held
-
-    def release(self, nodes: Iterable[Node]) -> None:
-        for node in nodes:
-            count = self._holds[id(node)] - 1
-            if count:
-                self._holds[id(node)] = count
-            else:
-                del self._holds[id(node)]
-                if node.host is not None and node.host.anchor is None:
-                    self._prune_up(node)
-
-    def touch(self, node: Node, tick: int) -> None:
-        """A hit ended at the host anchor at `node`: it goes to the back of the order."""
-        if node.host is not None and node.host.anchor is not None:
-            self._renew(node.host.anchor, tick)
-
-    def finish_load(self, plan: LoadPlan, failed: bool = False) -> None:
-        """The plan's copies are done: its nodes are no longer held. With `failed` (the request
-        recomputes) their host copies are dropped too, with every host anchor at or below them
-        or whose window covers them, so no later request is offered the same load."""
-        nodes = {id(node) for node in plan.held}
-        self.release(plan.held)
-        plan.held = []
-        self._free.extend(plan.scratch)
-        self._scratch.difference_update(plan.scratch)
-        plan.scratch = []
-        if not failed:
-            return
-        if self.l3 is not None:
-            self.l3.read_failed(plan.fetches)
-        self.stats.failed_loads += 1
-        victims = []
-        for node in self.tree.nodes.values():
-            anchor = None if node.host is None else node.host.anchor
-            if anchor is None:
-                continue
-            walk = node
-            while walk.depth >= 0 and id(walk) not in nodes:
-                walk = walk.parent  # type: ignore[assignment]
-            if walk.depth >= 0 or any(id(w) in nodes for w in anchor.window):
-                victims.append(anchor)
-        for anchor in victims:
-            self.evict(anchor)
 
     # -------------------------------------------------------------- integrity
 
