@@ -13,8 +13,8 @@ from eval.bench_mtp import heldout_sequences
 from eval.mimo_reference import load_reference
 from eval.mtp_oracle import DrafterKV, TeacherForced, accepted, steps
 from tests.kv_helpers import prometheus_samples
+from vllm_mimo.spec_decode.acceptance import OUTPUT_BUCKETS, AcceptanceByBucket, bucket_of
 from vllm_mimo.spec_decode.cpu_expand import expand
-from vllm_mimo.spec_decode.metrics import OUTPUT_BUCKETS, AcceptanceByBucket, bucket_of
 
 MODEL = Path(__file__).resolve().parent.parent / "checkpoints" / "tiny-mimo-trained"
 PROMPT = 300

@@ -14,7 +14,7 @@ from vllm_mimo.kv_cache.anchors import AnchorKind
 from vllm_mimo.log import logger
 from vllm_mimo.metrics import snapshot_path
 from vllm_mimo.offload.connector import HostTierCounters
-from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
+from vllm_mimo.spec_decode.acceptance import AcceptanceByBucket
 
 _PUBLISH_INTERVAL_S = 0.25
 

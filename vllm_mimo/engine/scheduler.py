@@ -26,7 +26,7 @@ from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout, cdiv
 from vllm_mimo.layout import HybridLayout, layout_from_hf_config, layout_from_kv_cache_groups
 from vllm_mimo.log import logger
 from vllm_mimo.offload.connector import MimoHostTierConnector
-from vllm_mimo.spec_decode.metrics import AcceptanceByBucket
+from vllm_mimo.spec_decode.acceptance import AcceptanceByBucket
 
 GIB = 1 << 30
 
