@@ -97,7 +97,7 @@ _POOL_COUNTERS = {
     "evicted_blocks": "Cached blocks evicted from this pool.",
 }
 
-_HOST_METRICS = (  # (snapshot key, help, counter or gauge): set in MimoCollector.collect
+_HOST_METRICS = (  # (snapshot key, help, counter or gauge): set in _host_families
     ("hit_tokens", "Prompt tokens of hits loaded from the host tier.", "counter"),
     ("loads", "Host tier loads (requests).", "counter"),
     ("failed_loads", "Host tier loads that failed (their requests recomputed).", "counter"),
@@ -125,92 +125,114 @@ class MimoCollector:
     """Prometheus collector: the engines' snapshots as `vllm:mimo_*` metrics."""
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         snapshots = read_snapshots()
-        labels = ["model_name", "engine"]
+        yield from _cache_families(snapshots)
+        yield from _spec_decode_families([s for s in snapshots if s.get("spec_decode")])
+        yield from _host_families([s for s in snapshots if s.get("host_tier")])
+        yield from _pool_families(snapshots)
 
-        def family(cls, name, doc, extra=()):
-            if isinstance(cls, str):
-                cls = CounterMetricFamily if cls == "counter" else GaugeMetricFamily
-            return cls(f"vllm:mimo_{name}", doc, labels=labels + list(extra))
 
-        for name, doc in _COUNTERS.items():
-            fam = family(CounterMetricFamily, name, doc)
+def _family(kind: str, name: str, doc: str, extra: tuple[str, ...] = ()):
+    """An empty `vllm:mimo_{name}` family of `kind` ("counter" or "gauge"), labelled by model,
+    engine and `extra`."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(f"vllm:mimo_{name}", doc, labels=["model_name", "engine", *extra])
+
+
+def _engine(snapshot: dict) -> list[str]:
+    """The model and engine labels of one engine's snapshot."""
+    return [snapshot["model_name"], str(snapshot["engine"])]
+
+
+def _cache_families(snapshots: list[dict]):
+    """The KV manager's counters and gauges, and its anchors by kind."""
+    for name, doc in _COUNTERS.items():
+        fam = _family("counter", name, doc)
+        for s in snapshots:
+            fam.add_metric(_engine(s), s[name])
+        yield fam
+    for name, doc in (("anchors_kept", "SWA anchors created, by kind."),
+                      ("anchors_evicted", "SWA anchors evicted, by kind.")):
+        fam = _family("counter", name, doc, ("kind",))
+        for s in snapshots:
+            for kind, value in s[name].items():
+                fam.add_metric([*_engine(s), kind], value)
+        yield fam
+    for name, doc in (("anchors", "Live SWA anchors."),
+                      ("held_blocks", "KV blocks running requests hold (0 when idle)."),
+                      ("anchor_blocks", "SWA blocks kept only by anchors."),
+                      ("peak_swa_blocks_per_request", "Most SWA blocks one running request held, "
+                       "besides windows kept for anchors inside its prefill chunk."),
+                      ("peak_anchor_window_blocks_per_request", "Most SWA blocks one allocation kept "
+                       "for windows of anchors inside a prefill chunk (window-local SWA attention).")):
+        fam = _family("gauge", name, doc)
+        for s in snapshots:
+            fam.add_metric(_engine(s), s[name])
+        yield fam
+
+
+def _spec_decode_families(with_spec: list[dict]):
+    """MTP acceptance by output bucket (and draft position), from engines that draft."""
+    if not with_spec:
+        return
+    for name, doc in _SPEC_COUNTERS.items():
+        fam = _family("counter", f"spec_decode_{name}", doc, ("bucket",))
+        for s in with_spec:
+            for bucket, values in s["spec_decode"].items():
+                fam.add_metric([*_engine(s), bucket], values[name])
+        yield fam
+    fam = _family(
+        "counter",
+        "spec_decode_accepted_tokens_per_pos",
+        "Steps whose draft token at this position was accepted, by output bucket.",
+        ("bucket", "position"),
+    )
+    for s in with_spec:
+        for bucket, values in s["spec_decode"].items():
+            for pos, n in enumerate(values["accepted_per_position"]):
+                fam.add_metric([*_engine(s), bucket, str(pos)], n)
+    yield fam
+    fam = _family(
+        "gauge",
+        "spec_decode_mean_accepted_length",
+        "Tokens per verified step (accepted drafts + 1), by output bucket.",
+        ("bucket",),
+    )
+    for s in with_spec:
+        for bucket, values in s["spec_decode"].items():
+            fam.add_metric([*_engine(s), bucket], values["mean_accepted_length"])
+    yield fam
+
+
+def _host_families(with_host: list[dict]):
+    """The host tier's (and L3's) counters and gauges, from engines with one."""
+    if not with_host:
+        return
+    for name, doc, kind in _HOST_METRICS:
+        fam = _family(kind, f"host_{name}", doc)
+        for s in with_host:
+            fam.add_metric(_engine(s), s["host_tier"][name])
+        yield fam
+    for name, doc in (("stored_bytes", "Bytes copied to the host tier, by pool."),
+                      ("loaded_bytes", "Bytes loaded from the host tier, by pool.")):
+        fam = _family("counter", f"host_{name}", doc, ("pool",))
+        for s in with_host:
+            for pool, value in s["host_tier"][name].items():
+                fam.add_metric([*_engine(s), pool], value)
+        yield fam
+
+
+def _pool_families(snapshots: list[dict]):
+    """Each pool's gauges and counters."""
+    for table, kind in ((_POOL_GAUGES, "gauge"), (_POOL_COUNTERS, "counter")):
+        for name, doc in table.items():
+            fam = _family(kind, f"pool_{name}", doc, ("pool",))
             for s in snapshots:
-                fam.add_metric([s["model_name"], str(s["engine"])], s[name])
+                for pool, values in s["pools"].items():
+                    fam.add_metric([*_engine(s), pool], values[name])
             yield fam
-        for name, doc in (("anchors_kept", "SWA anchors created, by kind."),
-                          ("anchors_evicted", "SWA anchors evicted, by kind.")):
-            fam = family(CounterMetricFamily, name, doc, ["kind"])
-            for s in snapshots:
-                for kind, value in s[name].items():
-                    fam.add_metric([s["model_name"], str(s["engine"]), kind], value)
-            yield fam
-        for name, doc in (("anchors", "Live SWA anchors."),
-                          ("held_blocks", "KV blocks running requests hold (0 when idle)."),
-                          ("anchor_blocks", "SWA blocks kept only by anchors."),
-                          ("peak_swa_blocks_per_request", "Most SWA blocks one running request held, "
-                           "besides windows kept for anchors inside its prefill chunk."),
-                          ("peak_anchor_window_blocks_per_request", "Most SWA blocks one allocation kept "
-                           "for windows of anchors inside a prefill chunk (window-local SWA attention).")):
-            fam = family(GaugeMetricFamily, name, doc)
-            for s in snapshots:
-                fam.add_metric([s["model_name"], str(s["engine"])], s[name])
-            yield fam
-        with_spec = [s for s in snapshots if s.get("spec_decode")]
-        if with_spec:
-            for name, doc in _SPEC_COUNTERS.items():
-                fam = family(CounterMetricFamily, f"spec_decode_{name}", doc, ["bucket"])
-                for s in with_spec:
-                    for bucket, values in s["spec_decode"].items():
-                        fam.add_metric([s["model_name"], str(s["engine"]), bucket], values[name])
-                yield fam
-            fam = family(
-                CounterMetricFamily,
-                "spec_decode_accepted_tokens_per_pos",
-                "Steps whose draft token at this position was accepted, by output bucket.",
-                ["bucket", "position"],
-            )
-            for s in with_spec:
-                for bucket, values in s["spec_decode"].items():
-                    for pos, n in enumerate(values["accepted_per_position"]):
-                        fam.add_metric([s["model_name"], str(s["engine"]), bucket, str(pos)], n)
-            yield fam
-            fam = family(
-                GaugeMetricFamily,
-                "spec_decode_mean_accepted_length",
-                "Tokens per verified step (accepted drafts + 1), by output bucket.",
-                ["bucket"],
-            )
-            for s in with_spec:
-                for bucket, values in s["spec_decode"].items():
-                    fam.add_metric([s["model_name"], str(s["engine"]), bucket], values["mean_accepted_length"])
-            yield fam
-        with_host = [s for s in snapshots if s.get("host_tier")]
-        for name, doc, cls in _HOST_METRICS:
-            if not with_host:
-                break
-            fam = family(cls, f"host_{name}", doc)
-            for s in with_host:
-                fam.add_metric([s["model_name"], str(s["engine"])], s["host_tier"][name])
-            yield fam
-        for name, doc in (("stored_bytes", "Bytes copied to the host tier, by pool."),
-                          ("loaded_bytes", "Bytes loaded from the host tier, by pool.")):
-            if not with_host:
-                break
-            fam = family(CounterMetricFamily, f"host_{name}", doc, ["pool"])
-            for s in with_host:
-                for pool, value in s["host_tier"][name].items():
-                    fam.add_metric([s["model_name"], str(s["engine"]), pool], value)
-            yield fam
-        for table, cls in ((_POOL_GAUGES, GaugeMetricFamily), (_POOL_COUNTERS, CounterMetricFamily)):
-            for name, doc in table.items():
-                fam = family(cls, f"pool_{name}", doc, ["pool"])
-                for s in snapshots:
-                    for pool, values in s["pools"].items():
-                        fam.add_metric([s["model_name"], str(s["engine"]), pool], values[name])
-                yield fam
 
 
 _collector: MimoCollector | None = None

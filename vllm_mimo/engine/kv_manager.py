@@ -37,6 +37,25 @@ def _group_slices(geometry: KVGeometry, group_ids: tuple[int, ...]) -> tuple[tup
     return tuple(slices)
 
 
+def _check_layout(geometry: KVGeometry, max_model_len: int, scheduler_block_size: int, hash_block_size: int) -> None:
+    """Refuse block sizes and a model length the manager cannot serve (`UnsupportedKVLayout`)."""
+    if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
+        raise UnsupportedKVLayout(
+            f"scheduler block size {scheduler_block_size} must equal the least common multiple "
+            f"of the KV cache groups' block sizes ({geometry.block_size}), and the hash block "
+            f"size {hash_block_size} must divide it"
+        )
+    if not geometry.uniform and max_model_len % geometry.block_size:
+        # vLLM's block tables hold cdiv(max_model_len, group block size) blocks per group;
+        # whole positions past a max_model_len that ends mid-position would overflow them.
+        raise UnsupportedKVLayout(
+            f"max_model_len {max_model_len} is not a multiple of {geometry.block_size}: with KV "
+            f"cache groups of block sizes {sorted(set(geometry.group_block_sizes))}, the hybrid KV "
+            f"manager allocates whole {geometry.block_size}-token positions; set --max-model-len "
+            f"to a multiple of {geometry.block_size}"
+        )
+
+
 @dataclass(frozen=True)
 class GroupView:
     """What vLLM's engine reads from a per-group manager (`coordinator.single_type_managers`)."""
@@ -95,39 +114,17 @@ class HybridKVCacheManager:
         behind the host tier comes later, one way: `attach_l3`;
         `enable_kv_cache_events`: record vLLM's KV cache events (`kv_events`, `take_events`)."""
         geometry = kv_geometry(kv_cache_config)
-        if scheduler_block_size != geometry.block_size or geometry.block_size % hash_block_size:
-            raise UnsupportedKVLayout(
-                f"scheduler block size {scheduler_block_size} must equal the least common multiple "
-                f"of the KV cache groups' block sizes ({geometry.block_size}), and the hash block "
-                f"size {hash_block_size} must divide it"
-            )
-        if not geometry.uniform and max_model_len % geometry.block_size:
-            # vLLM's block tables hold cdiv(max_model_len, group block size) blocks per group;
-            # whole positions past a max_model_len that ends mid-position would overflow them.
-            raise UnsupportedKVLayout(
-                f"max_model_len {max_model_len} is not a multiple of {geometry.block_size}: with KV "
-                f"cache groups of block sizes {sorted(set(geometry.group_block_sizes))}, the hybrid KV "
-                f"manager allocates whole {geometry.block_size}-token positions; set --max-model-len "
-                f"to a multiple of {geometry.block_size}"
-            )
+        _check_layout(geometry, max_model_len, scheduler_block_size, hash_block_size)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.metrics = KVManagerMetrics(block_size=geometry.block_size)
         self.events = KVEventRecorder(kv_cache_config, geometry, hash_block_size) if enable_kv_cache_events else None
         try:
             self.cache = HybridKVCache(
-                geometry,
-                max_model_len,
-                hash_block_size,
-                mimo_config or MimoConfig(),
-                enable_caching=enable_caching,
-                use_eagle=use_eagle,
-                max_num_running=max_num_running,
+                geometry, max_model_len, hash_block_size, mimo_config or MimoConfig(),
+                enable_caching=enable_caching, use_eagle=use_eagle, max_num_running=max_num_running,
                 observers=(self.metrics, *observers, *([self.events] if self.events is not None else [])),
-                window_local=window_local,
-                host_pages=host_pages,
-                anchor_policy=anchor_policy,
-                host_tier=host_tier,
+                window_local=window_local, host_pages=host_pages, anchor_policy=anchor_policy, host_tier=host_tier,
             )
         except SwaPoolTooSmall as e:  # a config value the user set
             raise MimoConfigError(str(e)) from None
@@ -136,12 +133,20 @@ class HybridKVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.mamba_shared_prefix_checkpoint = False
         self.block_size = geometry.block_size
-        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         # As upstream: headroom kept for waiting and preempted admissions while others run.
         self.watermark_blocks = int(watermark * geometry.num_blocks)
+        self._vllm_surface(kv_cache_config, kv_blocks)
+        self._matches: dict[str, Any] = {}  # the latest lookup per request, adopted on admission
+        self._extensions: dict[str, HostMatch] = {}  # its host extension, likewise
+
+    def _vllm_surface(self, kv_cache_config: Any, kv_blocks: list[KVCacheBlock] | None) -> None:
+        """What vLLM's engine and scheduler read besides the calls: its coordinator's and block
+        pool's parts, stats, the per-group slices of a position's block ids."""
+        geometry = self.geometry
+        self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
+        self.mamba_shared_prefix_checkpoint = False
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.coordinator = CoordinatorView(
             tuple(
                 GroupView(gid, group.kv_cache_spec, group.kv_cache_spec.block_size)
@@ -155,8 +160,6 @@ class HybridKVCacheManager:
         self.null_block = self._kv_blocks[0]
         self.null_block.is_null = True
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
-        self._matches: dict[str, Any] = {}  # the latest lookup per request, adopted on admission
-        self._extensions: dict[str, HostMatch] = {}  # its host extension, likewise
 
     # ------------------------------------------------------ lookup, allocation
 
