@@ -92,65 +92,73 @@ def make_config(
         "torch_dtype": "bfloat16",
     }
     if layout in ("mimo", "mimo-flash"):
-        n = num_layers or 7
-        swa_kv_heads = size.num_key_value_heads * (2 if layout == "mimo-flash" else 1)
-        pattern = mimo_hybrid_pattern(n)
-        # Hub field names, which vLLM's mimo_v2.py reads; the transformers-native
-        # MiMoV2FlashConfig names (layer_types, sliding_window) are set to agree with them,
-        # and attention_value_scale is explicit because the native default is 0.707.
-        return common | {
-            "architectures": ["MiMoV2FlashForCausalLM"],
-            "model_type": "mimo_v2_flash",
-            "num_hidden_layers": n,
-            "hybrid_layer_pattern": pattern,
-            "layer_types": [
-                "sliding_attention" if p == 1 else "full_attention" for p in pattern
-            ],
-            "sliding_window_size": WINDOW,
-            "sliding_window": WINDOW,
-            "swa_num_attention_heads": size.num_attention_heads,
-            "swa_num_key_value_heads": swa_kv_heads,
-            "swa_head_dim": size.head_dim,
-            "swa_v_head_dim": size.head_dim,
-            "v_head_dim": size.head_dim,
-            "add_swa_attention_sink_bias": True,
-            "add_full_attention_sink_bias": False,
-            "attention_value_scale": None,
-            "rope_theta": 1_000_000.0,
-            "swa_rope_theta": 10_000.0,
-            "partial_rotary_factor": 0.5,
-            "attention_bias": False,
-            "hidden_act": "silu",
-            "layernorm_epsilon": 1e-5,
-            "tie_word_embeddings": False,
-            "num_nextn_predict_layers": num_mtp_layers,
-        }
+        return common | _mimo_fields(layout, size, num_layers or 7, num_mtp_layers)
     if layout == "gemma3":
-        n = num_layers or 6
-        return common | {
-            "architectures": ["Gemma3ForCausalLM"],
-            "model_type": "gemma3_text",
-            "num_hidden_layers": n,
-            "layer_types": gemma3_layer_types(n),
-            "sliding_window": WINDOW,
-            "query_pre_attn_scalar": size.head_dim,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            },
-            "tie_word_embeddings": True,
-        }
-    n = num_layers or 4
+        return common | _gemma3_fields(size, num_layers or 6)
     return common | {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "num_hidden_layers": n,
+        "num_hidden_layers": num_layers or 4,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,
         "rope_theta": 10_000.0,
         "tie_word_embeddings": False,
+    }
+
+
+def _mimo_fields(layout: str, size: ModelSize, n: int, num_mtp_layers: int) -> dict:
+    """`make_config`'s fields of a MiMo-V2 layout ("mimo", or "mimo-flash": SWA layers with
+    twice the KV heads) of `n` layers."""
+    swa_kv_heads = size.num_key_value_heads * (2 if layout == "mimo-flash" else 1)
+    pattern = mimo_hybrid_pattern(n)
+    # Hub field names, which vLLM's mimo_v2.py reads; the transformers-native
+    # MiMoV2FlashConfig names (layer_types, sliding_window) are set to agree with them,
+    # and attention_value_scale is explicit because the native default is 0.707.
+    return {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "model_type": "mimo_v2_flash",
+        "num_hidden_layers": n,
+        "hybrid_layer_pattern": pattern,
+        "layer_types": [
+            "sliding_attention" if p == 1 else "full_attention" for p in pattern
+        ],
+        "sliding_window_size": WINDOW,
+        "sliding_window": WINDOW,
+        "swa_num_attention_heads": size.num_attention_heads,
+        "swa_num_key_value_heads": swa_kv_heads,
+        "swa_head_dim": size.head_dim,
+        "swa_v_head_dim": size.head_dim,
+        "v_head_dim": size.head_dim,
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "attention_value_scale": None,
+        "rope_theta": 1_000_000.0,
+        "swa_rope_theta": 10_000.0,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "layernorm_epsilon": 1e-5,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": num_mtp_layers,
+    }
+
+
+def _gemma3_fields(size: ModelSize, n: int) -> dict:
+    """`make_config`'s fields of the Gemma 3 layout of `n` layers."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": n,
+        "layer_types": gemma3_layer_types(n),
+        "sliding_window": WINDOW,
+        "query_pre_attn_scalar": size.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "tie_word_embeddings": True,
     }
 
 
