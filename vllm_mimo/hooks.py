@@ -124,21 +124,7 @@ def configure(vllm_config: Any) -> None:
     if model_config is None or getattr(model_config, "is_submodel_config", False):
         return
     config = MimoConfig.from_vllm_config(vllm_config)
-    from vllm_mimo.offload import check_host_memory, refuse_other_connector
-
-    check_host_memory(config.host_tier_gib, config.l3_gib)
-    from vllm_mimo.metrics import mark_frontend
-
-    mark_frontend()
-    if config.pin_prompts_file:
-        from vllm_mimo.engine.pinning import read_pin_file
-
-        read_pin_file(config.pin_prompts_file)
-        if not vllm_config.cache_config.enable_prefix_caching:
-            raise MimoConfigError(
-                f"pin_prompts_file={config.pin_prompts_file!r} needs prefix caching, which is off "
-                "(drop --no-enable-prefix-caching or the pin file)"
-            )
+    _check_startup(vllm_config, config)
     if not config.enable:
         logger.debug("vllm-mimo: disabled by configuration (enable=false)")
         return
@@ -156,35 +142,62 @@ def configure(vllm_config: Any) -> None:
             model_config.architecture,
         )
         return
-    from vllm_mimo import attention_backends, offload
+    from vllm_mimo import attention_backends
     from vllm_mimo.spec_decode import setup
 
     attention_backends.configure(vllm_config, config)
     setup.configure(vllm_config, config.mtp_all_layers)
+    if _select_scheduler(vllm_config, config):
+        logger.debug(
+            "vllm-mimo: %s: %s; scheduler %s",
+            model_config.architecture,
+            layout.describe(),
+            vllm_config.scheduler_config.scheduler_cls,
+        )
+
+
+def _check_startup(vllm_config: Any, config: MimoConfig) -> None:
+    """What is checked whether or not the plugin serves this model: the host tier's and L3's
+    memory, the pin file; and this process marked as the front end (`metrics`)."""
+    from vllm_mimo.metrics import mark_frontend
+    from vllm_mimo.offload import check_host_memory
+
+    check_host_memory(config.host_tier_gib, config.l3_gib)
+    mark_frontend()
+    if config.pin_prompts_file:
+        from vllm_mimo.engine.pinning import read_pin_file
+
+        read_pin_file(config.pin_prompts_file)
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise MimoConfigError(
+                f"pin_prompts_file={config.pin_prompts_file!r} needs prefix caching, which is off "
+                "(drop --no-enable-prefix-caching or the pin file)"
+            )
+
+
+def _select_scheduler(vllm_config: Any, config: MimoConfig) -> bool:
+    """Select the plugin's scheduler (with its connector and chat anchors) unless the user
+    chose another or this config has it already; True if selected now."""
+    from vllm_mimo import offload
+    from vllm_mimo.offload import refuse_other_connector
+
     scheduler_config = vllm_config.scheduler_config
     if scheduler_config.scheduler_cls in (None, SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
         refuse_other_connector(vllm_config)
     if scheduler_config.scheduler_cls in (SCHEDULER_CLS, ASYNC_SCHEDULER_CLS):
-        return  # a config rebuilt from one this hook already configured
+        return False  # a config rebuilt from one this hook already configured
     if scheduler_config.scheduler_cls is not None:
         logger.warning(
             "vllm-mimo: --scheduler-cls %s was given, so the plugin's scheduler is not "
             "installed for hybrid SWA model %s%s",
             scheduler_config.scheduler_cls,
-            model_config.architecture,
+            vllm_config.model_config.architecture,
             ", and there is no host tier (host_tier_gib)" if config.host_tier_gib else "",
         )
-        return
+        return False
     offload.configure(vllm_config, config)
-    scheduler_config.scheduler_cls = (
-        ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
-    )
+    scheduler_config.scheduler_cls = ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
     from vllm_mimo.engine import chat_anchors
 
     chat_anchors.install(system_anchor=config.system_prompt_anchor)
-    logger.debug(
-        "vllm-mimo: %s: %s; scheduler %s",
-        model_config.architecture,
-        layout.describe(),
-        scheduler_config.scheduler_cls,
-    )
+    return True

@@ -153,16 +153,7 @@ def install(system_anchor: bool) -> None:
             prefixes = anchor_prefixes(request.messages, _system_anchor) + (_prefixes.get() or [])
         except CacheControlError as e:
             return self.create_error_response(str(e), param=e.param)
-        positions = {}  # hint key: positions
-        for key, prefix in prefixes:
-            try:
-                position = await _position(self, request, prefix, list(full_ids))
-            except Exception as e:  # an anchor is an optimisation: never fail the request for it
-                logger.warning("vllm-mimo: skipping a chat anchor, its prefix did not render: %s", e)
-                continue
-            if position:
-                positions.setdefault(key, set()).add(position)
-        _anchors.set({key: sorted(found) for key, found in positions.items()} or None)
+        _anchors.set(await _anchor_positions(self, request, prefixes, list(full_ids)))
         _prefixes.set(None)
         return result
 
@@ -172,18 +163,8 @@ def install(system_anchor: bool) -> None:
         params = to_sampling_params(self, *args, **kwargs)
         anchors = _anchors.get()
         _anchors.set(None)
-        if not anchors:
-            return params
-        try:
-            declared_anchors(params.extra_args)
-        except AnchorHintError:
-            return params  # rejected, with its message, by the plugin's validation of parameters
-        hints = dict(mimo_hints(params.extra_args) or {})
-        for key, positions in anchors.items():
-            hints[key] = sorted(set(hints.get(key, [])) | set(positions))
-        extra = dict(params.extra_args or {})
-        extra["mimo"] = hints
-        params.extra_args = extra
+        if anchors:
+            _add_hints(params, anchors)
         return params
 
     create_messages = AnthropicServingMessages.create_messages
@@ -200,6 +181,37 @@ def install(system_anchor: bool) -> None:
     ChatCompletionRequest.to_sampling_params = to_sampling_params_with_anchors
     AnthropicServingMessages.create_messages = create_messages_with_cache_control
     _installed = True
+
+
+async def _anchor_positions(
+    serving: Any, request: Any, prefixes: list[tuple[str, list[dict]]], full_ids: list[int]
+) -> dict[str, list[int]] | None:
+    """The prompt positions where each prefix's rendering ends, by hint key (None: none found);
+    a prefix that fails to render is skipped with a warning."""
+    positions: dict[str, set[int]] = {}
+    for key, prefix in prefixes:
+        try:
+            position = await _position(serving, request, prefix, full_ids)
+        except Exception as e:  # an anchor is an optimisation: never fail the request for it
+            logger.warning("vllm-mimo: skipping a chat anchor, its prefix did not render: %s", e)
+            continue
+        if position:
+            positions.setdefault(key, set()).add(position)
+    return {key: sorted(found) for key, found in positions.items()} or None
+
+
+def _add_hints(params: Any, anchors: dict[str, list[int]]) -> None:
+    """Merge the chat anchors' positions into the request's own hints (`extra_args["mimo"]`),
+    unless those are malformed: the plugin's validation of parameters rejects them then, with
+    its message."""
+    try:
+        declared_anchors(params.extra_args)
+    except AnchorHintError:
+        return
+    hints = dict(mimo_hints(params.extra_args) or {})
+    for key, positions in anchors.items():
+        hints[key] = sorted(set(hints.get(key, [])) | set(positions))
+    params.extra_args = {**(params.extra_args or {}), "mimo": hints}
 
 
 async def _anthropic_prefixes(serving: Any, request: Any, raw_request: Any) -> list[tuple[str, list[dict]]]:

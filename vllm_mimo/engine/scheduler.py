@@ -165,6 +165,11 @@ class _MimoSchedulerMixin(_SchedulerBase):
         if connector is not None:
             connector.bind_kv_cache_manager(self.mimo_manager)
             self.mimo_host_connector = connector
+        self._install_step_helpers(self.mimo_manager, chunk_tokens)
+
+    def _install_step_helpers(self, manager: HybridKVCacheManager, chunk_tokens: int) -> None:
+        """What runs beside the manager every step, as the config asks: the step budget, the
+        idle integrity check, the queue lookahead, the snapshot publisher and the pinned prompts."""
         floor = self.mimo_config.step_prefill_floor_tokens
         if not isinstance(getattr(self, "max_num_scheduled_tokens", None), int):
             if floor or chunk_tokens:
@@ -176,11 +181,11 @@ class _MimoSchedulerMixin(_SchedulerBase):
                     chunk_tokens,
                 )
         elif floor or chunk_tokens:
-            self.mimo_step_budget = StepBudget(self.mimo_manager.cache, floor, chunk_tokens)
+            self.mimo_step_budget = StepBudget(manager.cache, floor, chunk_tokens)
         if self.mimo_config.check_integrity_at_idle:
             self.mimo_integrity = IntegrityAtIdle()
         if self.mimo_config.queue_lookahead_requests:
-            self.mimo_lookahead = QueueLookahead(self.mimo_manager.cache, self.mimo_config.queue_lookahead_requests)
+            self.mimo_lookahead = QueueLookahead(manager.cache, self.mimo_config.queue_lookahead_requests)
         parallel = self.vllm_config.parallel_config
         self._mimo_publisher = SnapshotPublisher(parallel.data_parallel_rank)
         self._mimo_publish(force=True)
