@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_mimo.kv_cache.prefix_tree import Node
+from vllm_mimo.kv_cache.node import HostSlot, Node
 from vllm_mimo.kv_cache.tiers.host import HostTier
-from vllm_mimo.kv_cache.tiers.host_copies import HostSlot, host_swa
+from vllm_mimo.kv_cache.tiers.host_copies import host_swa
 
 
 class DenseHostTier(HostTier):

@@ -37,9 +37,9 @@ from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, 
 from eval.workloads import ReplayRequest, tokens
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
-from vllm_mimo.kv_cache.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
+from vllm_mimo.kv_cache.anchors import AnchorDecision, AnchorSet
 from vllm_mimo.kv_cache.contract import CacheObserver
-from vllm_mimo.kv_cache.prefix_tree import Node
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind, Node
 
 ENGINES = ("swa-free", "mimo", "clairvoyant-placement", "clairvoyant")
 

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from eval.replay import SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
-from vllm_mimo.kv_cache.anchors import AnchorKind
 from vllm_mimo.kv_cache.contract import CacheObserver, EvictionCause
+from vllm_mimo.kv_cache.node import AnchorKind
 
 SAMPLE_EVERY = 10
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, load_source, simulate
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
-from vllm_mimo.kv_cache.anchors import Anchor
+from vllm_mimo.kv_cache.node import Anchor
 
 AGAINST = ("mimo-lru", "mimo-stock-attention", "swa-free")
 

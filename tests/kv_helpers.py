@@ -19,7 +19,8 @@ from vllm_mimo.compat import (
 )
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
-from vllm_mimo.kv_cache.prefix_tree import Node, PrefixTree
+from vllm_mimo.kv_cache.node import Node
+from vllm_mimo.kv_cache.prefix_tree import PrefixTree
 from vllm_mimo.kv_cache.tiers.host import HostTier
 
 BLOCK = 16

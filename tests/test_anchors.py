@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.kv_helpers import chain
-from vllm_mimo.kv_cache.anchors import (
-    PRIOR_REUSE_GAP,
-    Anchor,
-    AnchorKind,
-    AnchorSet,
-    AnchorState,
-)
+from vllm_mimo.kv_cache.anchors import PRIOR_REUSE_GAP, AnchorSet
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind, AnchorState
 from vllm_mimo.kv_cache.prefix_tree import PrefixTree
 
 

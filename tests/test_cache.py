@@ -11,12 +11,9 @@ from tests.kv_helpers import BLOCK, SYSTEM, kv_config, make_request, manager, ru
 from vllm_mimo.compat import RequestStatus
 from vllm_mimo.config import MimoConfig
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
-from vllm_mimo.kv_cache.anchors import (
-    Anchor,
-    AnchorKind,
-)
 from vllm_mimo.kv_cache.contract import CacheObserver
 from vllm_mimo.kv_cache.geometry import UnsupportedKVLayout
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind
 from vllm_mimo.kv_cache.pools import Pool
 
 

@@ -169,8 +169,8 @@ def test_grid_points_and_prompt_ends_given_up_on_before_they_served_are_dropped_
     """A grid point or a prompt's end (passed by its own output) demoted before it served is
     not worth a window of host memory; everything else the device evicts goes to host, output
     ends included (a next turn continues from one)."""
-    from vllm_mimo.kv_cache.anchors import AnchorKind, AnchorState
     from vllm_mimo.kv_cache.contract import CacheObserver
+    from vllm_mimo.kv_cache.node import AnchorKind, AnchorState
 
     m = _manager(host_pages=4000, grid=2 * BLOCK)
     evicted = []

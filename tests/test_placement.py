@@ -13,12 +13,9 @@ from vllm_mimo.kv_cache.anchor_policy import (
     AnchorPlacement,
     declared_anchors,
 )
-from vllm_mimo.kv_cache.anchors import (
-    Anchor,
-    AnchorKind,
-    AnchorSet,
-)
+from vllm_mimo.kv_cache.anchors import AnchorSet
 from vllm_mimo.kv_cache.contract import ANCHOR_BUDGET
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind
 from vllm_mimo.kv_cache.prefix_tree import PrefixTree
 
 

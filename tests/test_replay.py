@@ -9,8 +9,8 @@ import pytest
 
 from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity, replay_ttft, replay_us
 from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
-from vllm_mimo.kv_cache.anchors import AnchorKind
 from vllm_mimo.kv_cache.contract import CacheObserver
+from vllm_mimo.kv_cache.node import AnchorKind
 
 DATA = Path(__file__).with_name("data")
 

@@ -220,7 +220,7 @@ def test_readme_documents_every_series_on_metrics_and_its_labels(servers):
     """Both ways: every vllm:mimo_* series on a live /metrics is in README's table with its labels,
     and every series the table says is always there is; every labelled one is present from the
     start, with every value of its label (anchor kinds, pools) at 0 until it counts."""
-    from vllm_mimo.kv_cache.anchors import AnchorKind
+    from vllm_mimo.kv_cache.node import AnchorKind
 
     documented, live = _readme_metrics(), _live_metrics(servers["on"])
     for name, samples in live.items():

@@ -7,9 +7,7 @@ import pytest
 
 from tests.kv_helpers import BLOCK, SYSTEM, make_request, manager, run
 from vllm_mimo.engine.step_budget import StepBudget
-from vllm_mimo.kv_cache.anchors import (
-    AnchorState,
-)
+from vllm_mimo.kv_cache.node import AnchorState
 
 
 def test_step_prefill_estimate_counts_free_unheld_full_and_demoted_windows_only():

@@ -28,8 +28,9 @@ from typing import Any
 
 from vllm_mimo.kv_cache.contract import CacheObserver
 from vllm_mimo.kv_cache.geometry import KVGeometry
+from vllm_mimo.kv_cache.node import Node
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import DEVICE, HOST, L3, Node, PrefixTree
+from vllm_mimo.kv_cache.prefix_tree import DEVICE, HOST, L3, PrefixTree
 from vllm_mimo.kv_cache.tiers.host import host_full, host_swa
 
 

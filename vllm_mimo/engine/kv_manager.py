@@ -20,7 +20,7 @@ from vllm_mimo.kv_cache.cache import HybridKVCache, SwaPoolTooSmall
 from vllm_mimo.kv_cache.contract import AnchorPolicy, CacheObserver
 from vllm_mimo.kv_cache.counters import KVManagerMetrics
 from vllm_mimo.kv_cache.geometry import KVGeometry, UnsupportedKVLayout, cdiv
-from vllm_mimo.kv_cache.prefix_tree import Blocks
+from vllm_mimo.kv_cache.node import Blocks
 from vllm_mimo.kv_cache.tiers.host import HostTier
 from vllm_mimo.kv_cache.tiers.host_copies import Copy, HostMatch, LoadPlan
 from vllm_mimo.kv_cache.tiers.l3 import L3Copy, L3Index

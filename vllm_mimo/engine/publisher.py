@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.engine.step_budget import StepBudget
-from vllm_mimo.kv_cache.anchors import AnchorKind
+from vllm_mimo.kv_cache.node import AnchorKind
 from vllm_mimo.log import logger
 from vllm_mimo.metrics import snapshot_path
 from vllm_mimo.offload.connector import HostTierCounters

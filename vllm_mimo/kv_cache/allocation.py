@@ -19,8 +19,9 @@ from typing import Any
 from vllm_mimo.kv_cache.anchors import AnchorDecision
 from vllm_mimo.kv_cache.contract import EvictionCause, NewBlocks, RequestBlocks
 from vllm_mimo.kv_cache.geometry import cdiv
+from vllm_mimo.kv_cache.node import Blocks, Node
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import Blocks, Node, TreeMatch, position_hashes
+from vllm_mimo.kv_cache.prefix_tree import TreeMatch, position_hashes
 from vllm_mimo.kv_cache.state import CacheState
 from vllm_mimo.kv_cache.tiers.host_copies import HostMatch
 

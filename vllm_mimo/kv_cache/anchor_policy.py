@@ -54,9 +54,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_mimo.kv_cache.anchors import PASSED_KINDS, SPECULATIVE_KINDS, Anchor, AnchorDecision, AnchorKind
+from vllm_mimo.kv_cache.anchors import PASSED_KINDS, SPECULATIVE_KINDS, AnchorDecision
 from vllm_mimo.kv_cache.contract import AnchorPolicy, EvictionCause
-from vllm_mimo.kv_cache.prefix_tree import Node
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind, Node
 
 WORTH_REACH = 64
 """Positions `AnchorPlacement.worth` looks back for the anchor above, from any anchor but an

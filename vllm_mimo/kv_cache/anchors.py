@@ -2,9 +2,10 @@
 
 An anchor ends at a tree node (a position boundary). It covers that node and the ancestors a
 hit there needs (its `window`, counted in each node's `anchor_refs`); while it lives, their SWA
-blocks are not freed. Where anchors are placed is the anchor policy's business
-(`placement.py`); `AnchorSet` applies its decisions. When anchors go is the cache's eviction
-order (`base.KVCache.evict`), whose anchor part is the order of `AnchorState`.
+blocks are not freed (`node.Anchor`, with its kinds and states). Where anchors are placed is
+the anchor policy's business (`anchor_policy.py`); `AnchorSet` applies its decisions. When
+anchors go is the cache's eviction order (`contract.KVCache.evict`), whose anchor part is the
+order of `AnchorState`.
 
 Why a shared anchor is held: a block a running request holds is in use for vLLM's LRU, and so
 is an anchor whose node a running request holds, where other requests come to it while that
@@ -22,24 +23,8 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum, IntEnum
 
-from vllm_mimo.kv_cache.prefix_tree import Node
-
-
-class AnchorKind(str, Enum):  # noqa: UP042
-    DECLARED = "declared"  # SamplingParams.extra_args["mimo"]["anchors"] (vllm_xargs over HTTP)
-    SYSTEM_PROMPT = "system_prompt"  # the end of a chat request's system message (system_prompt_anchor)
-    CACHE_CONTROL = "cache_control"  # the end of a chat content block marked cache_control
-    PINNED_PROMPT = "pinned_prompt"  # the end of a prompt of pin_prompts_file, pinned at startup
-    HOT = "hot"  # a node reused by at least `hot_prefix_min_hits` distinct requests
-    BRANCH = "branch"  # a node with two or more children: a shared-prefix junction
-    PROMPT_END = "prompt_end"  # where a request's prompt ends
-    OUTPUT_END = "output_end"  # where a finished request's output ends (the next turn's prefix)
-    GRID = "grid"  # every `grid_anchor_tokens` of a prompt, where a later request may branch off
-    PROMPT_TAIL = "prompt_tail"  # the last grid point before a prompt's end
-    RESUME = "resume"  # where a preempted request's cached KV ends; it resumes there
-
+from vllm_mimo.kv_cache.node import DEMOTED_STATES, Anchor, AnchorKind, AnchorState, Node
 
 SHARED_KINDS = frozenset({AnchorKind.HOT, AnchorKind.PROMPT_TAIL})
 """Prefixes that other requests reach while one runs: held while a running request holds the
@@ -66,84 +51,13 @@ class AnchorDecision:
     demote: bool = False
 
 
-class AnchorState(IntEnum):
-    """Where a live anchor stands. Each state has one queue, oldest first.
-
-    DEMOTED_UNSERVED, DEMOTED_SERVED: no longer needed (a session went on from it) or of a kind
-        that seldom serves, and it never served a hit / it did (a junction requests came back
-        to, where another may fork). The latest demoted is at the front.
-    GREEDY_DUAL: live, least worth first: GreedyDual's order. An anchor's priority is the clock when
-        it was last used (created, hit or released by its last holder) plus its worth per block
-        (`AnchorSet`'s `worth`). The clock is the larger of two: GreedyDual's inflation, which
-        rises to each evicted anchor's priority, and time: the worth of every anchor use so far
-        over the mean number of anchor uses between an anchor's last use and a hit at it
-        (`AnchorSet.reuse_gap`, learned as hits come). When evictions are frequent,
-        inflation drives the clock and worth decides; when they are rare, time drives it, and
-        an anchor worth the mean outlives one worth nothing by about one reuse gap. So an
-        anchor worth little per block goes before one worth more that was used as long ago,
-        and recency still wins in the end (with equal worths this is least recently used).
-    PINNED: pinned (declared with `pin`, or a prompt pinned at startup); a demoted pinned
-        anchor goes to the front of this queue.
-    HELD: a shared anchor whose node a running request holds (see the module docstring).
-    """
-
-    DEMOTED_UNSERVED = 0
-    DEMOTED_SERVED = 1
-    GREEDY_DUAL = 2
-    PINNED = 3
-    HELD = 4
-
-
 EVICTION_ORDER = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED, AnchorState.GREEDY_DUAL, AnchorState.PINNED)
 """The anchor part of the cache's eviction order (`base.KVCache.evict`)."""
-
-_DEMOTED = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED)
 
 PRIOR_REUSE_GAP = 1000.0
 """Anchor uses between an anchor's last use and a hit at it, assumed before the first hit: one
 pseudo-observation in `AnchorSet.reuse_gap`, which the first hits soon outweigh. How the clock
 was chosen: eval/RESULTS.md, issue 18."""
-
-
-class Anchor:
-    """An anchor of `kind` ending at `node`, covering the `window_blocks` nodes up to it."""
-
-    __slots__ = ("node", "window", "kinds", "state", "served", "priority", "entry")
-
-    def __init__(self, node: Node, kind: AnchorKind, window_blocks: int) -> None:
-        self.node = node
-        self.window: list[Node] = []
-        covered = node
-        while covered.depth >= 0 and len(self.window) < window_blocks:
-            covered.anchor_refs += 1
-            self.window.append(covered)
-            covered = covered.parent  # type: ignore[assignment]
-        node.anchor = self
-        self.kinds = {kind}
-        self.state = AnchorState.GREEDY_DUAL  # set by AnchorSet.add
-        self.served = False  # whether a hit has ended at it
-        self.priority = 0.0  # in the GREEDY_DUAL state: the clock when last used plus its worth per block
-        self.entry = 0  # when it was last used in the GREEDY_DUAL state (anchor uses), its GREEDY_DUAL heap entry
-
-    def uncover(self) -> list[Node]:
-        """The anchor goes: its node and window are no longer its; returns the window (the
-        tree frees the SWA blocks nothing keeps, `PrefixTree.drop_window`)."""
-        self.node.anchor = None
-        for covered in self.window:
-            covered.anchor_refs -= 1
-        return self.window
-
-    @property
-    def pinned(self) -> bool:
-        return self.state is AnchorState.PINNED
-
-    @property
-    def demoted(self) -> bool:
-        return self.state in _DEMOTED
-
-    def __repr__(self) -> str:
-        kinds = ",".join(sorted(k.value for k in self.kinds))
-        return f"Anchor(depth={self.node.depth}, {kinds}, {self.state.name})"
 
 
 class AnchorSet:
@@ -315,11 +229,13 @@ class AnchorSet:
     def hold_nodes(self, nodes: Iterable[Node]) -> None:
         """Running requests now hold these anchored nodes."""
         for node in nodes:
+            assert node.anchor is not None, node
             self.hold(node.anchor)
 
     def release_nodes(self, nodes: Iterable[Node]) -> None:
         """No running request holds these anchored nodes any more."""
         for node in nodes:
+            assert node.anchor is not None, node
             self.release(node.anchor)
 
     def release(self, anchor: Anchor) -> None:
@@ -368,7 +284,7 @@ class AnchorSet:
         """The evictable anchors in tiers, each in eviction order: unpinned (demoted ones
         first), pinned, then held ones if `include_held`. Victims come from the first tier
         that is not empty."""
-        yield [anchor for state in (*_DEMOTED, AnchorState.GREEDY_DUAL) for anchor in self._in_order(state)]
+        yield [anchor for state in (*DEMOTED_STATES, AnchorState.GREEDY_DUAL) for anchor in self._in_order(state)]
         yield list(self._queues[AnchorState.PINNED].values())
         if include_held:
             yield list(self._queues[AnchorState.HELD].values())
@@ -440,7 +356,7 @@ class AnchorSet:
                 elif state is AnchorState.GREEDY_DUAL:
                     assert not held, f"{anchor} is in use but not held"
                     assert anchor.entry in in_heap, f"{anchor} is not in the GREEDY_DUAL order"
-                elif state in _DEMOTED:
+                elif state in DEMOTED_STATES:
                     assert anchor.served == (state is AnchorState.DEMOTED_SERVED), f"{anchor} is in the wrong demoted queue"
         shared = {id(anchor) for anchor in self if anchor.kinds & SHARED_KINDS}
         assert shared == set(self._shared), "the shared-kind index disagrees with the live anchors"

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from vllm_mimo.kv_cache.allocation import NO_MATCH, Allocation
 from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
-from vllm_mimo.kv_cache.anchors import Anchor, AnchorKind, AnchorSet
+from vllm_mimo.kv_cache.anchors import AnchorSet
 from vllm_mimo.kv_cache.contract import (
     ANCHOR_BUDGET,
     AnchorPolicy,
@@ -48,6 +48,7 @@ from vllm_mimo.kv_cache.contract import (
 )
 from vllm_mimo.kv_cache.geometry import KVGeometry, cdiv
 from vllm_mimo.kv_cache.integrity import Integrity
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind
 from vllm_mimo.kv_cache.pools import BlockPools, Pool
 from vllm_mimo.kv_cache.preemption import Preemption
 from vllm_mimo.kv_cache.prefix_tree import PrefixTree, TreeMatch, position_hashes

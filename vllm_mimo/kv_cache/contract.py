@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_mimo.kv_cache.anchors import Anchor, AnchorDecision, AnchorKind, AnchorSet
+    from vllm_mimo.kv_cache.anchors import AnchorDecision, AnchorSet
     from vllm_mimo.kv_cache.geometry import KVGeometry
+    from vllm_mimo.kv_cache.node import Anchor, AnchorKind, Blocks, Node
     from vllm_mimo.kv_cache.pools import BlockPools, Pool
-    from vllm_mimo.kv_cache.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
+    from vllm_mimo.kv_cache.prefix_tree import PrefixTree, TreeMatch
     from vllm_mimo.kv_cache.tiers.host_copies import HostMatch
 
 

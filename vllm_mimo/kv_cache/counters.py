@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mimo.kv_cache.anchors import Anchor, AnchorKind
 from vllm_mimo.kv_cache.contract import CacheObserver, EvictionCause
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind, Node
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import Node
 
 
 @dataclass

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mimo.kv_cache.anchors import Anchor
 from vllm_mimo.kv_cache.contract import RequestBlocks
+from vllm_mimo.kv_cache.node import Anchor, Blocks, Node
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import Blocks, Node
 from vllm_mimo.kv_cache.state import CacheState
 
 

@@ -5,7 +5,7 @@ A node is one logical sequence position: the block of tokens whose chained hash 
 with two fields: where this position's Full KV is (`full_blocks`, the block ids of every Full
 group) and where its SWA KV is (`swa_blocks`, likewise for the SWA groups, or None when the
 window has moved on). The host tier keeps its copies of the node in a slot of its own
-(`host`, a `host_tier.HostSlot` while the host holds a copy); the tree's shape does not change,
+(`host`, a `node.HostSlot` while the host holds a copy); the tree's shape does not change,
 and a node holding only host copies stays in the tree.
 
 Reference counts live on nodes, not blocks: `full_refs` / `swa_refs` count the running requests
@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from vllm_mimo.kv_cache.node import Blocks, Node
 from vllm_mimo.kv_cache.pools import Pool
 
 DEVICE = "GPU"
@@ -44,10 +45,6 @@ L3 = "L3"
 """The medium of pages the host tier put to the shared L3 store: stored events only. The store
 evicts on its own and tells no one, so no removal is published: a router reads L3 events as
 hints (the engine asks the store itself at each lookup)."""
-
-Blocks = tuple[int, ...]
-"""The block ids of one position in one pool (one or more per group)."""
-
 
 class KVListener(Protocol):
     """Who is told, where it happens, that nodes now hold (`tell_stored`) or no longer hold
@@ -66,49 +63,6 @@ class _NoListener:
 
     def tell_removed(self, nodes: Sequence[Node], pool: Pool, medium: str) -> None:
         pass
-
-
-class Node:
-    """One block position in the tree (see the module docstring)."""
-
-    __slots__ = (
-        "block_hash",
-        "parent",
-        "depth",
-        "children",
-        "full_blocks",
-        "swa_blocks",
-        "full_refs",
-        "swa_refs",
-        "full_children",
-        "anchor_refs",
-        "anchor",
-        "last_access",
-        "hit_count",
-        "host",
-    )
-
-    def __init__(self, block_hash: Any, parent: Node | None, depth: int) -> None:
-        self.block_hash = block_hash
-        self.parent = parent
-        self.depth = depth  # position in the sequence; the root is -1
-        self.children: dict[Any, Node] = {}
-        self.full_blocks: Blocks | None = None
-        self.swa_blocks: Blocks | None = None
-        self.full_refs = 0
-        self.swa_refs = 0
-        self.full_children = 0  # children whose full_blocks are resident
-        self.anchor_refs = 0
-        self.anchor: Any = None  # the Anchor ending at this node, if any
-        self.last_access = 0  # the cache's tick of the latest request that referenced it
-        self.hit_count = 0  # distinct requests whose cached prefix ended here
-        self.host: Any = None  # the host tier's copies of this node (`host_tier.HostSlot`), if any
-
-    def __repr__(self) -> str:
-        return (
-            f"Node(depth={self.depth}, full={self.full_blocks}, swa={self.swa_blocks}, "
-            f"refs={self.full_refs}/{self.swa_refs}, anchor_refs={self.anchor_refs})"
-        )
 
 
 @dataclass

@@ -46,10 +46,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_mimo.kv_cache.anchors import Anchor, AnchorKind, AnchorState
+from vllm_mimo.kv_cache.node import Anchor, AnchorKind, AnchorState, Blocks, HostAnchor, HostSlot, Node
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import HOST, Blocks, Node, PrefixTree
-from vllm_mimo.kv_cache.tiers.host_copies import Copy, HostAnchor, HostSlot, HostStats, LoadPlan, host_full, host_swa, slot
+from vllm_mimo.kv_cache.prefix_tree import HOST, PrefixTree
+from vllm_mimo.kv_cache.tiers.host_copies import Copy, HostStats, LoadPlan, held, host_full, host_swa, slot
 from vllm_mimo.kv_cache.tiers.host_loads import HostLoads
 from vllm_mimo.kv_cache.tiers.l3 import ANSWER_TTL_S, L3Copy, L3Index, L3Tier
 
@@ -184,7 +184,7 @@ class HostTier(HostLoads):
             assert n.full_blocks is not None, f"storing {n}: a live anchor's path has no device Full KV"
             pages_full = slot(n).full = self._take(self.full_pages)
             if n.parent is not None and n.parent.depth >= 0:
-                n.parent.host.children += 1
+                held(n.parent).children += 1
             copies.append(("full", Copy(pages_full, n.full_blocks)))
         self.tree.observers.tell_stored(path[::-1], Pool.FULL, HOST)
         for w in swa:
@@ -194,7 +194,7 @@ class HostTier(HostLoads):
         self._store_pages.update(page for _, c in copies for page in c.host)
         self.generation += 1
         anchor = HostAnchor(node, list(window), tick)
-        node.host.anchor = anchor
+        held(node).anchor = anchor
         self.cover(window)
         self._anchors += 1
         heapq.heappush(self._lru, (tick, next(self._seq), anchor))
@@ -211,12 +211,12 @@ class HostTier(HostLoads):
     def cover(self, window: Sequence[Node]) -> None:
         """A new host anchor covers `window`: its SWA copies are kept."""
         for w in window:
-            w.host.swa_refs += 1
+            held(w).swa_refs += 1
 
     def uncover(self, window: Sequence[Node]) -> None:
         """A host anchor that covered `window` is gone: SWA copies nothing keeps are freed."""
         for w in window:
-            s = w.host
+            s = held(w)
             s.swa_refs -= 1
             if s.swa_refs == 0 and s.swa is not None:
                 self._release(w, "swa", s.swa)
@@ -278,7 +278,7 @@ class HostTier(HostLoads):
         """Drop a host anchor, its window's SWA copies nothing else keeps, and the Full copies
         up its path that nothing else needs."""
         node = anchor.node
-        node.host.anchor = None
+        held(node).anchor = None
         self._anchors -= 1
         self.stats.evicted_anchors += 1
         self.uncover(anchor.window)
@@ -301,7 +301,7 @@ class HostTier(HostLoads):
             self._vacate(node)
             parent = node.parent
             if parent is not None and parent.depth >= 0:
-                parent.host.children -= 1
+                held(parent).children -= 1
             self._prune(node)
             node = parent  # type: ignore[assignment]
 

@@ -1,6 +1,6 @@
-"""What the host tier (`host.HostTier`) holds and hands out, as plain data: its copies of one
-tree node (`HostSlot`, at `Node.host`), its anchors, a request's hit extended by the host and
-L3 (`HostMatch`), the copies a load or a store makes (`Copy`, `LoadPlan`), and its counts."""
+"""What the host tier (`host.HostTier`) hands out, as plain data: a request's hit extended by
+the host and L3 (`HostMatch`), the copies a load or a store makes (`Copy`, `LoadPlan`), and its
+counts; and the reads of its copies on a node (`node.HostSlot`, at `Node.host`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_mimo.kv_cache.prefix_tree import Blocks, Node
+from vllm_mimo.kv_cache.node import Blocks, HostSlot, Node
 from vllm_mimo.kv_cache.tiers.l3 import L3Copy
 
 
@@ -85,45 +85,26 @@ class LoadPlan:
     """The host had no pages for `fetches`: the load fails without a copy (recompute)."""
 
 
-class HostAnchor:
-    """A demoted anchor: its node and the window of nodes whose host SWA copies it keeps."""
-
-    __slots__ = ("node", "window", "tick")
-
-    def __init__(self, node: Node, window: list[Node], tick: int) -> None:
-        self.node = node
-        self.window = window
-        self.tick = tick
-
-    def __repr__(self) -> str:
-        return f"HostAnchor(depth={self.node.depth}, tick={self.tick})"
-
-
-class HostSlot:
-    """The host's copies of one node: `full` / `swa` pages (or None), `children` with a host
-    Full copy, `swa_refs` host anchors whose window covers it, the host `anchor` ending here.
-    A node has one (`Node.host`) exactly while `full` or `swa` is set, so the tree keeps the
-    node (`PrefixTree.prune`) while the host holds anything of it.
-
-    Why a slot on the node and not a dict keyed by node: the host's walks (`extend`, `demote`)
-    run per lookup and per eviction, and one attribute read is cheaper than a hash lookup; the
-    device-only cache pays one field per node."""
-
-    __slots__ = ("full", "swa", "children", "swa_refs", "anchor")
-
-    def __init__(self) -> None:
-        self.full: Blocks | None = None
-        self.swa: Blocks | None = None
-        self.children = 0
-        self.swa_refs = 0
-        self.anchor: HostAnchor | None = None
-
-
 def slot(node: Node) -> HostSlot:
     """The node's host slot, created if missing."""
     if node.host is None:
         node.host = HostSlot()
     return node.host
+
+
+def held(node: Node) -> HostSlot:
+    """The node's host slot, where the tier's rules say it has one (a host Full copy's parent,
+    a host anchor's node and window)."""
+    s = node.host
+    assert s is not None, f"no host copy at {node}"
+    return s
+
+
+def host_copy(node: Node, kind: str) -> Blocks:
+    """The node's host copy of `kind` ("full" / "swa"), where a load plan says it has one."""
+    pages = held(node).full if kind == "full" else held(node).swa
+    assert pages is not None, f"no host {kind} copy at {node}"
+    return pages
 
 
 def host_full(node: Node) -> Blocks | None:

@@ -14,8 +14,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_mimo.kv_cache.prefix_tree import Blocks, Node, PrefixTree, TreeMatch
-from vllm_mimo.kv_cache.tiers.host_copies import Copy, HostAnchor, HostMatch, HostStats, LoadPlan
+from vllm_mimo.kv_cache.node import Blocks, HostAnchor, Node
+from vllm_mimo.kv_cache.prefix_tree import PrefixTree, TreeMatch
+from vllm_mimo.kv_cache.tiers.host_copies import Copy, HostMatch, HostStats, LoadPlan, host_copy
 from vllm_mimo.kv_cache.tiers.l3 import L3Copy, L3Tier
 
 
@@ -149,11 +150,11 @@ class HostLoads(ABC):
             self._scratch.update(plan.scratch)
         fetched = iter(fetch.host for fetch in plan.fetches)
         plan.full = [
-            Copy(path[pos].host.full if pos < extension.l3_from else next(fetched, ()), full[pos - adopted])
+            Copy(host_copy(path[pos], "full") if pos < extension.l3_from else next(fetched, ()), full[pos - adopted])
             for pos in full_range
         ]
         plan.swa = [
-            Copy(path[pos].host.swa if pos not in extension.l3_swa else next(fetched, ()), swa[pos - extension.hit])  # type: ignore[arg-type]
+            Copy(host_copy(path[pos], "swa") if pos not in extension.l3_swa else next(fetched, ()), swa[pos - extension.hit])  # type: ignore[arg-type]
             for pos in swa_range
         ]
         stats = self.stats

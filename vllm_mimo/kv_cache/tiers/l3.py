@@ -35,8 +35,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from vllm_mimo.kv_cache.node import Blocks, Node
 from vllm_mimo.kv_cache.pools import Pool
-from vllm_mimo.kv_cache.prefix_tree import L3, Blocks, KVListener, Node
+from vllm_mimo.kv_cache.prefix_tree import L3, KVListener
 
 ANSWER_TTL_S = 1.0
 """How long the store's answer about a page is trusted (see the module docstring)."""
@@ -132,7 +133,7 @@ class L3Tier:
                     break
                 reach += 1
         lacking = [
-            pos for pos in range(hit, reach) if pos >= len(path) or path[pos].host is None or path[pos].host.swa is None
+            pos for pos in range(hit, reach) if pos >= len(path) or (s := path[pos].host) is None or s.swa is None
         ]
         if not lacking or reach == hit:
             return reach, frozenset()
