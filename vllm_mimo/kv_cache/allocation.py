@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_mimo.kv_cache.anchors import AnchorDecision
-from vllm_mimo.kv_cache.contract import EvictionCause, NewBlocks, RequestBlocks
+from vllm_mimo.kv_cache.contract import CacheRequest, EvictionCause, NewBlocks, RequestBlocks
 from vllm_mimo.kv_cache.geometry import cdiv
 from vllm_mimo.kv_cache.node import Blocks, Node
 from vllm_mimo.kv_cache.pools import Pool
@@ -72,7 +72,7 @@ class Allocation(CacheState):
 
     def allocate(
         self,
-        request: Any,
+        request: CacheRequest,
         num_new_tokens: int,
         *,
         hit_tokens: int = 0,
@@ -119,7 +119,7 @@ class Allocation(CacheState):
         return self._allocated(request, state, positions.kept, positions.windows, num_lookahead_tokens, num_tokens, cache, new)
 
     def _plan_admission(
-        self, request: Any, hit_tokens: int, match: TreeMatch | None, external_tokens: int, extension: HostMatch | None
+        self, request: CacheRequest, hit_tokens: int, match: TreeMatch | None, external_tokens: int, extension: HostMatch | None
     ) -> _Start:
         """The prefix a request not running yet adopts: a window-safe hit of `hit_tokens` (of
         `match`, or the prefix matched again) and the pseudo hit after it, extended by
@@ -154,7 +154,9 @@ class Allocation(CacheState):
             loaded = replace(extended, blocks=load_end)
         return _Start(match, keys, hit, hit + match.takeover(hit), hit, adopted_full, adopted_swa, loaded)
 
-    def _plan_blocks(self, request: Any, state: RequestBlocks | None, start: _Start, end: int, num_tokens: int) -> _Positions:
+    def _plan_blocks(
+        self, request: CacheRequest, state: RequestBlocks | None, start: _Start, end: int, num_tokens: int
+    ) -> _Positions:
         """The positions up to `end` that get new blocks: Full every one the request does not
         hold; SWA the positions a host extension loads and those computed from then on, only
         from `tail` on and for `windows` when window-local (see the module docstring)."""
@@ -197,7 +199,7 @@ class Allocation(CacheState):
 
     def _commit(
         self,
-        request: Any,
+        request: CacheRequest,
         state: RequestBlocks | None,
         start: _Start,
         positions: _Positions,
@@ -269,7 +271,7 @@ class Allocation(CacheState):
 
     def _allocated(
         self,
-        request: Any,
+        request: CacheRequest,
         state: RequestBlocks,
         step_blocks: int,
         windows: Collection[int],
@@ -294,7 +296,7 @@ class Allocation(CacheState):
         return new if new is not None else NewBlocks([], [])
 
     def anchor_window_positions(
-        self, request: Any, nodes: Sequence[Node], num_cached: int, junction: int, start: int, stop: int
+        self, request: CacheRequest, nodes: Sequence[Node], num_cached: int, junction: int, start: int, stop: int
     ) -> set[int]:
         """The positions in `start`..`stop` (exclusive) a window-local allocation keeps besides
         its tail: the windows ending where the anchor policy may place an anchor as the step's
@@ -311,13 +313,13 @@ class Allocation(CacheState):
             windows.update(range(max(start, point - self.anchor_window_blocks + 1), min(stop, point + 1)))
         return windows
 
-    def cache(self, request: Any, num_tokens: int) -> None:
+    def cache(self, request: CacheRequest, num_tokens: int) -> None:
         state = self._requests.get(request.request_id)
         if state is not None and self.enable_caching:
             self._cache(request, state, num_tokens)
             self._enforce_anchor_budget()
 
-    def _cache(self, request: Any, state: RequestBlocks, num_tokens: int) -> None:
+    def _cache(self, request: CacheRequest, state: RequestBlocks, num_tokens: int) -> None:
         """Offer the request's newly filled positions to the tree, and place anchors due there."""
         block_hashes, stride = request.block_hashes, self.hash_stride
         start = state.num_cached

@@ -55,7 +55,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_mimo.kv_cache.anchors import PASSED_KINDS, SPECULATIVE_KINDS, AnchorDecision
-from vllm_mimo.kv_cache.contract import AnchorPolicy, EvictionCause
+from vllm_mimo.kv_cache.contract import AnchorPolicy, CacheRequest, EvictionCause
 from vllm_mimo.kv_cache.node import Anchor, AnchorKind, Node
 
 WORTH_REACH = 64
@@ -260,7 +260,7 @@ class AnchorPlacement(AnchorPolicy):
         places fewer anchors, eval's clairvoyant bound, overrides it)."""
         return decisions
 
-    def _ends(self, request: Any) -> dict[int, tuple[AnchorKind, bool]]:
+    def _ends(self, request: CacheRequest) -> dict[int, tuple[AnchorKind, bool]]:
         """Anchors a request asks for by where they end (position counts): its declared
         positions and its prompt's end, with their kind and pin flag."""
         kinds, pinned = declared_kinds(getattr(request.sampling_params, "extra_args", None))
@@ -274,7 +274,7 @@ class AnchorPlacement(AnchorPolicy):
             ends.setdefault(prompt_blocks, (AnchorKind.PROMPT_END, False))
         return ends
 
-    def _grid_points(self, request: Any, start: int, end: int) -> range | tuple[()]:
+    def _grid_points(self, request: CacheRequest, start: int, end: int) -> range | tuple[()]:
         """Grid points (position counts) caching positions `start`..`end` of the request
         passes: every `grid_anchor_tokens` of its prompt."""
         grid = self.grid_blocks
@@ -283,7 +283,7 @@ class AnchorPlacement(AnchorPolicy):
         prompt_blocks = (request.num_prompt_tokens - 1) // self.block_size
         return range(-(-(start + 1) // grid) * grid, min(end, prompt_blocks) + 1, grid)
 
-    def window_points(self, request: Any, start: int, end: int, junction: int, branched: Sequence[int]) -> set[int]:
+    def window_points(self, request: CacheRequest, start: int, end: int, junction: int, branched: Sequence[int]) -> set[int]:
         """Positions in `start`..`end` (exclusive) where this policy may place an anchor while
         the request computes them: its grid points and asked-for ends, `junction` (where its
         cached prefix ends, a hot prefix once enough requests stop there; -1 for none), and
@@ -306,7 +306,7 @@ class AnchorPlacement(AnchorPolicy):
         return _NONE
 
     def on_admitted(
-        self, request: Any, keys: Sequence[Any], nodes: Sequence[Node], hit_tokens: int
+        self, request: CacheRequest, keys: Sequence[Any], nodes: Sequence[Node], hit_tokens: int
     ) -> Sequence[AnchorDecision]:
         bs = self.block_size
         prompt_blocks = (request.num_prompt_tokens - 1) // bs
@@ -338,7 +338,7 @@ class AnchorPlacement(AnchorPolicy):
         return self.keep(decisions)
 
     def on_cached(
-        self, request: Any, nodes: Sequence[Node], start: int, end: int, branched: Sequence[int]
+        self, request: CacheRequest, nodes: Sequence[Node], start: int, end: int, branched: Sequence[int]
     ) -> Sequence[AnchorDecision]:
         due = self._due.get(request.request_id)
         grid = self.grid_blocks
@@ -362,7 +362,7 @@ class AnchorPlacement(AnchorPolicy):
                 decisions.append(AnchorDecision(node, AnchorKind.PROMPT_TAIL if last else AnchorKind.GRID))
         return self.keep(decisions)
 
-    def on_finished(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+    def on_finished(self, request: CacheRequest, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
         self._due.pop(request.request_id, None)
         if not num_cached:
             return _NONE
@@ -376,7 +376,7 @@ class AnchorPlacement(AnchorPolicy):
             decisions.append(AnchorDecision(prompt_end, demote=True))
         return self.keep(decisions)
 
-    def on_preempted(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+    def on_preempted(self, request: CacheRequest, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
         """It comes back first in line and resumes from its cached KV, as upstream's freed blocks
         stay cached. The anchor ends where the computed tokens do (the window before that is
         still held): positions cached for this step's tokens are not computed if the request is

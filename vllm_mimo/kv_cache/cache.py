@@ -41,6 +41,7 @@ from vllm_mimo.kv_cache.contract import (
     ANCHOR_BUDGET,
     AnchorPolicy,
     CacheObserver,
+    CacheRequest,
     EvictionCause,
     Observers,
     RequestBlocks,
@@ -202,12 +203,12 @@ class HybridKVCache(Allocation, Preemption, Integrity):
 
     # ----------------------------------------------------------------- lookups
 
-    def position_hashes(self, request: Any, positions: int) -> Sequence[Any]:
+    def position_hashes(self, request: CacheRequest, positions: int) -> Sequence[Any]:
         """The node keys of the request's first `positions` positions (or fewer, as far as
         hashed)."""
         return position_hashes(request.block_hashes, self.hash_stride, positions)
 
-    def match(self, request: Any, max_tokens: int) -> TreeMatch:
+    def match(self, request: CacheRequest, max_tokens: int) -> TreeMatch:
         if not self.enable_caching:
             return NO_MATCH
         positions = max_tokens // self.block_size
@@ -217,7 +218,7 @@ class HybridKVCache(Allocation, Preemption, Integrity):
             match = self.tree.match(keys, match.safe_blocks - 1, self.window_blocks)
         return match
 
-    def host_extend(self, request: Any, match: TreeMatch, max_tokens: int) -> HostMatch | None:
+    def host_extend(self, request: CacheRequest, match: TreeMatch, max_tokens: int) -> HostMatch | None:
         """The host tier's extension of the device's window-safe hit (`match`, up to
         `max_tokens`): its positions past the hit are what `allocate` takes as `external_tokens`,
         and the extension itself is handed to that `allocate` (the lookup is not made twice).
@@ -257,7 +258,7 @@ class HybridKVCache(Allocation, Preemption, Integrity):
         taken with `take_stores`."""
         return self.host.take_puts() if self.host is not None else []
 
-    def touch_prefix(self, request: Any) -> None:
+    def touch_prefix(self, request: CacheRequest) -> None:
         if request.request_id in self._requests or not self.enable_caching:
             return
         match = self.match(request, request.num_tokens - 1)
@@ -271,7 +272,7 @@ class HybridKVCache(Allocation, Preemption, Integrity):
 
     # ------------------------------------------------------------------ release
 
-    def free(self, request: Any) -> None:
+    def free(self, request: CacheRequest) -> None:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return

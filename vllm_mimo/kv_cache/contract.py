@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from vllm_mimo.kv_cache.anchors import AnchorDecision, AnchorSet
@@ -91,6 +91,40 @@ class RequestBlocks:
     """Positions the latest allocation added past its tokens, for speculative tokens."""
 
 
+class CacheRequest(Protocol):
+    """What the cache reads of a request (vLLM's `Request` is one): its id, its tokens' chained
+    block hashes (`hash_block_size` tokens each), its lengths and progress, its preemptions, and
+    its sampling parameters' `extra_args` (anchor hints)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[Any]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_in_flight_tokens(self) -> int:
+        """Tokens scheduled whose forward has not returned yet (async scheduling)."""
+        ...
+
+    @property
+    def num_preemptions(self) -> int: ...
+
+    @property
+    def sampling_params(self) -> Any: ...
+
+    def is_finished(self) -> bool: ...
+
+
 @dataclass(slots=True)
 class NewBlocks:
     """The positions an allocation added to a request: Full block ids per position, and SWA
@@ -106,22 +140,22 @@ class CacheObserver:
     An event comes once the cache's state has changed; an observer reads that state and never
     changes it. Metrics (`metrics.KVManagerMetrics`) and eval's diagnoses are observers."""
 
-    def admitted(self, request: Any, hit_tokens: int, path: Sequence[Node]) -> None:
+    def admitted(self, request: CacheRequest, hit_tokens: int, path: Sequence[Node]) -> None:
         """A request was admitted with a window-safe hit of `hit_tokens`; `path` are the tree
         nodes of its prefix it now references (the hit, then any pseudo hit)."""
 
-    def cached(self, request: Any, nodes: Sequence[Node]) -> None:
+    def cached(self, request: CacheRequest, nodes: Sequence[Node]) -> None:
         """These positions of a running request entered the tree (or were found there)."""
 
-    def allocated(self, request: Any, swa_blocks: int, anchor_window_blocks: int) -> None:
+    def allocated(self, request: CacheRequest, swa_blocks: int, anchor_window_blocks: int) -> None:
         """An allocation for a running request is done: it holds `swa_blocks` SWA blocks (all
         SWA groups) besides `anchor_window_blocks` kept only for windows of anchors the policy
         may place inside its chunk (a window-local allocation's)."""
 
-    def freed(self, request: Any) -> None:
+    def freed(self, request: CacheRequest) -> None:
         """A finished or preempted request let go of its blocks."""
 
-    def withdrawn(self, request: Any, positions: int) -> None:
+    def withdrawn(self, request: CacheRequest, positions: int) -> None:
         """A request preempted within the step that scheduled it took `positions` cached
         positions its forward never computed out of the tree (`HybridKVCache.withdraw_uncomputed`)."""
 
@@ -138,7 +172,7 @@ class CacheObserver:
         """Cached blocks of `pool` were freed: the Full leaves one eviction took, or an
         anchor's window."""
 
-    def caching(self, request: Any, start: int, end: int) -> None:
+    def caching(self, request: CacheRequest, start: int, end: int) -> None:
         """Positions `start` to `end` of a running request are about to enter the tree (before
         the `stored` events of the nodes they give blocks)."""
 
@@ -218,7 +252,7 @@ class AnchorPolicy(CacheObserver, ABC):
 
     @abstractmethod
     def on_admitted(
-        self, request: Any, keys: Sequence[Any], nodes: Sequence[Node], hit_tokens: int
+        self, request: CacheRequest, keys: Sequence[Any], nodes: Sequence[Node], hit_tokens: int
     ) -> Sequence[AnchorDecision]:
         """A request was admitted with a hit of `hit_tokens`; `keys` are the node keys of its
         positions (`prefix_tree.position_hashes`), `nodes` its prefix in the tree (hit and
@@ -226,24 +260,24 @@ class AnchorPolicy(CacheObserver, ABC):
 
     @abstractmethod
     def on_cached(
-        self, request: Any, nodes: Sequence[Node], start: int, end: int, branched: Sequence[int]
+        self, request: CacheRequest, nodes: Sequence[Node], start: int, end: int, branched: Sequence[int]
     ) -> Sequence[AnchorDecision]:
         """Positions `start` to `end` of a request (`nodes[start:end]`) are in the tree; at each
         position in `branched`, the parent has just become a branch point."""
 
     @abstractmethod
-    def window_points(self, request: Any, start: int, end: int, junction: int, branched: Sequence[int]) -> set[int]:
+    def window_points(self, request: CacheRequest, start: int, end: int, junction: int, branched: Sequence[int]) -> set[int]:
         """Positions in `start`..`end` (exclusive) where the policy may place an anchor while the
         request computes them (a superset); `junction`: where its cached prefix ends (-1: not
         admitted in this allocation), `branched`: positions whose parent will become a branch
         point. A window-local cache keeps SWA KV for the windows ending there."""
 
     @abstractmethod
-    def on_finished(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+    def on_finished(self, request: CacheRequest, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
         """A request finished with `num_cached` of its positions in the tree."""
 
     @abstractmethod
-    def on_preempted(self, request: Any, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
+    def on_preempted(self, request: CacheRequest, nodes: Sequence[Node], num_cached: int) -> Sequence[AnchorDecision]:
         """A request was preempted with `num_cached` of its positions in the tree."""
 
     @abstractmethod
@@ -253,7 +287,7 @@ class AnchorPolicy(CacheObserver, ABC):
     @abstractmethod
     def worth(self, anchor: Anchor) -> float:
         """What `anchor` is worth per block it keeps, in hit tokens (orders the live anchors:
-        `anchors.AnchorState`)."""
+        `node.AnchorState`)."""
 
     @abstractmethod
     def check_integrity(self, running: Sequence[str]) -> None:
@@ -297,14 +331,14 @@ class KVCache(ABC):
         """The running requests' blocks, by request id (read only)."""
 
     @abstractmethod
-    def match(self, request: Any, max_tokens: int) -> TreeMatch:
+    def match(self, request: CacheRequest, max_tokens: int) -> TreeMatch:
         """The request's prefix in the tree, up to `max_tokens`: the Full hit and the
         window-safe hit (`safe_blocks`). Never mutates anything."""
 
     @abstractmethod
     def allocate(
         self,
-        request: Any,
+        request: CacheRequest,
         num_new_tokens: int,
         *,
         hit_tokens: int = 0,
@@ -330,13 +364,13 @@ class KVCache(ABC):
         """
 
     @abstractmethod
-    def touch_prefix(self, request: Any) -> None:
+    def touch_prefix(self, request: CacheRequest) -> None:
         """A queued request will come to its prefix: what it would hit now counts as just used
         (the anchor its hit ends at, and its Full path), so eviction spares it for a while.
         Admits, allocates and references nothing."""
 
     @abstractmethod
-    def cache(self, request: Any, num_tokens: int) -> None:
+    def cache(self, request: CacheRequest, num_tokens: int) -> None:
         """Offer the request's positions filled by its first `num_tokens` tokens to the tree."""
 
     @abstractmethod
@@ -344,7 +378,7 @@ class KVCache(ABC):
         """Let go of the request's SWA blocks that fell out of its window."""
 
     @abstractmethod
-    def free(self, request: Any) -> None:
+    def free(self, request: CacheRequest) -> None:
         """A finished or preempted request lets go of every block; the tree keeps what its
         anchors need (anchors are placed where it ended)."""
 
@@ -359,7 +393,7 @@ class KVCache(ABC):
              demoted anchors that never served a hit, the latest demoted first; then demoted
              anchors that did; then the others, least worth per block first, aged as anchors
              are evicted or used (GreedyDual over `AnchorPolicy.worth`, its clock the larger of
-             inflation and time: `anchors.AnchorState`); pinned anchors last;
+             inflation and time: `node.AnchorState`); pinned anchors last;
           3. with `evict_held` (for a request that runs alone), held shared anchors.
 
         Over the anchor cap (`anchor_budget_fraction`, when one is set), anchors go in the order of 2.

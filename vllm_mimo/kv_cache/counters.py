@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from vllm_mimo.kv_cache.contract import CacheObserver, EvictionCause
+from vllm_mimo.kv_cache.contract import CacheObserver, CacheRequest, EvictionCause
 from vllm_mimo.kv_cache.node import Anchor, AnchorKind, Node
 from vllm_mimo.kv_cache.pools import Pool
 
@@ -47,7 +46,7 @@ class KVManagerMetrics(CacheObserver):
     peak_anchor_window_blocks_per_request: int = 0
     """The most SWA blocks one window-local allocation kept for anchor windows inside a chunk."""
 
-    def admitted(self, request: Any, hit_tokens: int, path: Sequence[Node]) -> None:
+    def admitted(self, request: CacheRequest, hit_tokens: int, path: Sequence[Node]) -> None:
         if request.num_preemptions:
             self.preempted_hit_tokens += hit_tokens
             return
@@ -59,11 +58,11 @@ class KVManagerMetrics(CacheObserver):
         self.pseudo_hit_tokens += full_tokens - hit_tokens
         self.recomputed_swa_tokens += full_tokens - hit_tokens
 
-    def allocated(self, request: Any, swa_blocks: int, anchor_window_blocks: int) -> None:
+    def allocated(self, request: CacheRequest, swa_blocks: int, anchor_window_blocks: int) -> None:
         self.peak_swa_blocks_per_request = max(self.peak_swa_blocks_per_request, swa_blocks)
         self.peak_anchor_window_blocks_per_request = max(self.peak_anchor_window_blocks_per_request, anchor_window_blocks)
 
-    def withdrawn(self, request: Any, positions: int) -> None:
+    def withdrawn(self, request: CacheRequest, positions: int) -> None:
         self.withdrawn_positions += positions
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:

@@ -6,9 +6,7 @@ reference counts); and how an anchor is dropped with its window.
 
 from __future__ import annotations
 
-from typing import Any
-
-from vllm_mimo.kv_cache.contract import RequestBlocks
+from vllm_mimo.kv_cache.contract import CacheRequest, RequestBlocks
 from vllm_mimo.kv_cache.node import Anchor, Blocks, Node
 from vllm_mimo.kv_cache.pools import Pool
 from vllm_mimo.kv_cache.state import CacheState
@@ -17,7 +15,7 @@ from vllm_mimo.kv_cache.state import CacheState
 class Preemption(CacheState):
     """`HybridKVCache`'s preemption rollback (see the module docstring)."""
 
-    def withdraw_uncomputed(self, request: Any, state: RequestBlocks) -> None:
+    def withdraw_uncomputed(self, request: CacheRequest, state: RequestBlocks) -> None:
         """A preempted request leaves nothing in the tree it did not compute. Positions are
         cached when their step is scheduled, so a request preempted within that step (vLLM's
         priority policy does it) has cached positions past its computed tokens that no forward
