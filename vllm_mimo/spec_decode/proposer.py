@@ -151,8 +151,7 @@ class MimoMTPProposer(Step3p5MTPProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings: Any = None,
     ) -> torch.Tensor:
-        k = num_speculative_tokens
-        self.num_speculative_tokens = k
+        self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         batch = common_attn_metadata.num_reqs
         qsl = common_attn_metadata.query_start_loc_cpu.tolist()
@@ -161,29 +160,53 @@ class MimoMTPProposer(Step3p5MTPProposer):
         else:
             last = token_indices_to_sample.tolist()
         req_ids = self.model_runner.input_batch.req_ids[:batch]
-        m_run = self.num_mtp_layers
+        lo_b, toks, hids = self._inputs(
+            req_ids, qsl, last, target_token_ids, target_positions, target_hidden_states, next_token_ids
+        )
+        warm = self._warm_up(lo_b, toks, hids)
+        draft_ids, draft_probs = self._draft(num_speculative_tokens, lo_b, toks, hids, warm, sampling_metadata)
+        self._remember(req_ids, lo_b, toks, hids)
+        if draft_probs[0] is not None:
+            self._last_draft_probs = torch.stack(draft_probs, dim=1).contiguous()
+        return torch.stack(draft_ids, dim=1)
+
+    def _inputs(
+        self,
+        req_ids: Sequence[str],
+        qsl: list[int],
+        last: list[int],
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+    ) -> tuple[list[tuple[int, int]], list[list[int]], list[torch.Tensor]]:
+        """Per request of the batch: where its MTP layers run, lo and b (`_span`), the tokens at
+        [lo, b] and the target hidden states at [lo, b)."""
         positions = target_positions.tolist()
         tokens_all = target_token_ids.tolist()
         next_tokens = next_token_ids.tolist()
-
-        # Per request: lo, b, the tokens at [lo, b] and the target hidden states at [lo, b).
         lo_b, toks, hids = [], [], []
-        for r in range(batch):
+        for r, req_id in enumerate(req_ids):
             a, b = positions[qsl[r]], positions[last[r]] + 1
-            state = self.model_runner.requests[req_ids[r]]
+            state = self.model_runner.requests[req_id]
             # A partial prefill's next token is the prompt's (vLLM's padded batch passes the
             # prompt's last token there, which would leave wrong drafter KV at every chunk end).
             following = state.get_token_id(b) if b < state.num_prompt_tokens else next_tokens[r]
             seq = tokens_all[qsl[r] : last[r] + 1] + [following]
             hid = target_hidden_states[qsl[r] : last[r] + 1]
-            lo, seq, hid = self._span(r, req_ids[r], state, a, b, seq, hid)
+            lo, seq, hid = self._span(r, req_id, state, a, b, seq, hid)
             lo_b.append((lo, b))
             toks.append(seq)
             hids.append(hid)
+        return lo_b, toks, hids
 
-        # 1. Warm-up: layer m over [lo, b-m) for every request where that is not empty.
-        warm: list[dict[int, torch.Tensor]] = [{} for _ in range(batch)]  # row -> layer -> outputs from lo
-        for m in range(m_run):
+    def _warm_up(
+        self, lo_b: list[tuple[int, int]], toks: list[list[int]], hids: list[torch.Tensor]
+    ) -> list[dict[int, torch.Tensor]]:
+        """Layer m over [lo, b-m) for every request where that is not empty; per row, each
+        layer's outputs from lo."""
+        warm: list[dict[int, torch.Tensor]] = [{} for _ in lo_b]
+        for m in range(self.num_mtp_layers):
             spans = [_Span(r, lo, b - m) for r, (lo, b) in enumerate(lo_b) if b - m > lo]
             if not spans:
                 break
@@ -191,13 +214,24 @@ class MimoMTPProposer(Step3p5MTPProposer):
             prev = [hids[s.row][: s.end - s.start] if m == 0 else warm[s.row][m - 1][: s.end - s.start] for s in spans]
             for s, out in zip(spans, self._run_layer(m, spans, tokens, prev), strict=True):
                 warm[s.row][m] = out
+        return warm
 
-        # 2. Drafts, one MTP layer per draft token; layer t runs over [b-t, b) on the drafts.
+    def _draft(
+        self,
+        k: int,
+        lo_b: list[tuple[int, int]],
+        toks: list[list[int]],
+        hids: list[torch.Tensor],
+        warm: list[dict[int, torch.Tensor]],
+        sampling_metadata: Any,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """`k` draft tokens per request (and their probabilities, if sampled), one MTP layer per
+        draft token: layer t runs over [b-t, b) on the drafts, reading layer t-1 below it."""
         ids, probs = self._sample_draft_tokens_for_step(
-            torch.stack([warm[r][0][-1] for r in range(batch)]), sampling_metadata, spec_step_idx=0
+            torch.stack([warm[r][0][-1] for r in range(len(lo_b))]), sampling_metadata, spec_step_idx=0
         )
         draft_ids, draft_probs = [ids], [probs]
-        drafted: list[dict[int, torch.Tensor]] = [{} for _ in range(batch)]  # row -> layer -> outputs over its draft slots
+        drafted: list[dict[int, torch.Tensor]] = [{} for _ in lo_b]  # row -> layer -> outputs over its draft slots
         for t in range(1, k):
             spans = [_Span(r, max(lo, b - t), b) for r, (lo, b) in enumerate(lo_b)]
             so_far = torch.stack(draft_ids, dim=1).tolist()
@@ -216,11 +250,7 @@ class MimoMTPProposer(Step3p5MTPProposer):
             )
             draft_ids.append(ids)
             draft_probs.append(probs)
-
-        self._remember(req_ids, lo_b, toks, hids)
-        if draft_probs[0] is not None:
-            self._last_draft_probs = torch.stack(draft_probs, dim=1).contiguous()
-        return torch.stack(draft_ids, dim=1)
+        return draft_ids, draft_probs
 
     def _span(
         self, row: int, req_id: str, state: Any, a: int, b: int, seq: list[int], hid: torch.Tensor
