@@ -136,6 +136,24 @@ def test_the_oracle_rejects_more_drafts_than_layers(oracle):
         oracle.distinct(4)
 
 
+def test_a_ratios_interval_is_paired_over_the_buckets_requests():
+    """`eval.bench_mtp.ratio_interval` resamples requests, the same ones in both rows: a row that
+    makes every request's tokens in half the steps of another's has the interval [2, 2] however
+    the requests differ in length; unpaired resamples would widen it. Different requests give an
+    interval around the ratio of the sums."""
+    from eval.bench_mtp import Tally, ratio_interval
+
+    warm, twice, other = Tally(), Tally(), Tally()
+    for n in range(1, 30):
+        warm.add([(0, 1)] * 2 * n)  # 2 tokens a step
+        twice.add([(0, 3)] * n)  # the same 4n tokens, 4 a step
+        other.add([(0, (n + 1) % 4)] * (n % 7 + 1))
+    assert ratio_interval(twice, warm) == pytest.approx((2.0, 2.0))
+    low, high = ratio_interval(warm, other)
+    point = (warm.tokens / warm.steps) / (other.tokens / other.steps)
+    assert low < point < high
+
+
 def test_acceptance_is_counted_by_where_the_step_starts():
     acc = AcceptanceByBucket(3)
     acc.observe(0, 3, 2)
