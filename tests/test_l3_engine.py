@@ -3,9 +3,12 @@ a real `mooncake_master` on loopback (`vllm_mimo.testing.mooncake`, started here
 the end):
 
   * one engine whose small host tier evicts to L3 gets hits loaded back from it, with the
-    plugin-off tokens; L3 pages zeroed on their way in change the tokens (the negative control),
-    reads that miss recompute with the same tokens, and a store that cannot be reached turns
-    the L3 off at startup with a warning;
+    plugin-off tokens; reads that miss recompute with the same tokens, and a store that cannot
+    be reached turns the L3 off at startup with a warning;
+  * the master killed and restarted while sessions run: the plugin-off tokens, no transfer
+    waiting on the dead master, the L3 back without an engine restart; on the same harness,
+    L3 pages zeroed on their way in after the restart change the tokens (the negative control
+    of both);
   * two engines as processes: sessions computed on instance A, their next turns sent to
     instance B, which loads their prefixes from L3 and answers as the plugin-off engine does;
   * MTP drafting through the tiers: on the trained tiny MiMo (k = 3, every MTP layer),
@@ -52,21 +55,6 @@ def _tokens(run) -> list:
     return [[o["ids"] for o in turn] for turn in run.turns]
 
 
-def corrupt_l3_reads() -> None:
-    """The negative control (run in the engine's process): every page read from L3 is zeroed."""
-    from vllm_mimo.offload.mooncake_store import MooncakeL3
-
-    get = MooncakeL3.get_pages
-
-    def zeroed(self, keys, pages):
-        ok = get(self, keys, pages)
-        for page in pages:
-            self._rows()[page].zero_()
-        return ok
-
-    MooncakeL3.get_pages = zeroed  # type: ignore[method-assign]
-
-
 def miss_l3_reads() -> None:
     """Reads that miss (the store evicted the pages after the lookup), in the engine's process."""
     from vllm_mimo.offload.mooncake_store import MooncakeL3
@@ -85,7 +73,7 @@ def _four_turns(model: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(store, tiny_models):
+def runs(store, tiny_models, tmp_path_factory):
     model = tiny_models["mimo"]
     job = _four_turns(model)
     three = {**job, "turns": job["turns"][:3]}
@@ -98,7 +86,7 @@ def runs(store, tiny_models):
         "job": job,
         "off": run_engine(model, sessions=job, env=OFF, max_tokens=100, llm_kwargs=SIX_USER_KWARGS),
         "l3": run(),
-        "corrupt": run(patch="tests.test_l3_engine:corrupt_l3_reads"),
+        "corrupt": faulted_run(model, job, tmp_path_factory.mktemp("corrupt") / "faults.json", garble=True),
         "miss": run(patch="tests.test_l3_engine:miss_l3_reads"),
     }
 
@@ -112,10 +100,16 @@ def test_what_the_host_evicts_comes_back_from_l3_with_the_same_tokens(runs):
 
 
 def test_pages_zeroed_on_their_way_from_l3_change_the_tokens(runs):
-    """Negative control for the test above: what L3 returns is really what the request reads."""
-    corrupt = runs["corrupt"]
-    assert corrupt.mimo["host_tier"]["l3_hit_tokens"] > 0
-    assert _tokens(corrupt) != _tokens(runs["off"])[:3]
+    """Negative control for the test above and for the master's faults below, on the latter's
+    harness (killed before the third turn, restarted before the fourth), with every page read
+    from L3 after the restart zeroed: what L3 returns is really what the request reads, and the
+    faults test sees a restarted store that serves wrong pages (the turns before the restart
+    keep the plugin-off tokens; the fourth does not)."""
+    corrupt, faults = runs["corrupt"]
+    assert corrupt.mimo["host_tier"]["l3_hit_tokens"] > 0 and corrupt.mimo["host_tier"]["l3_outages"] == 1
+    assert faults["fetched"][4] > 0, faults
+    assert _tokens(corrupt)[:3] == _tokens(runs["off"])[:3]
+    assert _tokens(corrupt)[3] != _tokens(runs["off"])[3]
 
 
 def test_reads_that_miss_recompute_with_the_same_tokens(runs):
@@ -140,9 +134,10 @@ def test_a_store_that_cannot_be_reached_turns_the_l3_off_at_startup(tiny_models)
 
 def master_faults() -> None:
     """Run in the engine's process (a patch): the master named by `L3_FAULT_JOB` (JSON: pid, args,
-    out) is killed before the third turn and started again on its port before the fourth; per
-    turn, the pages read from L3 whole and those put are written to `out`,
-    with the seconds from the restart to the first successful put."""
+    out, garble) is killed before the third turn and started again on its port before the
+    fourth; per turn, the pages read from L3 whole and those put, and the transfers tried, are
+    written to `out`, with the seconds from the restart to the first successful put. With
+    `garble`, every page read after the restart is zeroed (the negative control)."""
     import atexit
     import signal
 
@@ -151,7 +146,7 @@ def master_faults() -> None:
     from vllm_mimo.offload.mooncake_store import MooncakeL3
 
     spec = json.loads(os.environ["L3_FAULT_JOB"])
-    state = {"turn": 0, "fetched": [0] * 5, "put": [0] * 5, "restart": None, "back_s": None}
+    state = {"turn": 0, "fetched": [0] * 5, "put": [0] * 5, "transfers": [0] * 5, "restart": None, "back_s": None}
     generate, get, put = LLM.generate, MooncakeL3.get_pages, MooncakeL3.put_pages
 
     def write() -> None:
@@ -174,11 +169,16 @@ def master_faults() -> None:
     def counted_get(self, keys, pages):
         ok = get(self, keys, pages)
         state["fetched"][state["turn"]] += sum(ok)
+        state["transfers"][state["turn"]] += 1
+        if spec.get("garble") and state["turn"] == 4:
+            for page in pages:
+                self._rows()[page].zero_()
         return ok
 
     def counted_put(self, keys, pages):
         ok = put(self, keys, pages)
         state["put"][state["turn"]] += sum(ok)
+        state["transfers"][state["turn"]] += 1
         if any(ok) and state["restart"] is not None and state["back_s"] is None:
             state["back_s"] = time.monotonic() - state["restart"]
         return ok
@@ -186,24 +186,32 @@ def master_faults() -> None:
     LLM.generate, MooncakeL3.get_pages, MooncakeL3.put_pages = turn, counted_get, counted_put
 
 
+def faulted_run(model: Path, job: dict, out: Path, garble: bool = False) -> tuple:
+    """`job` on an engine whose store's own master `master_faults` kills and restarts: the run and
+    what `master_faults` wrote to `out`."""
+    with mooncake_master() as master:
+        fault = {"pid": master.pid, "args": list(master.args), "out": str(out), "garble": garble}
+        run = run_engine(
+            model, sessions=job, max_tokens=100, patch="tests.test_l3_engine:master_faults",
+            env={"L3_FAULT_JOB": json.dumps(fault)}, llm_kwargs={**SIX_USER_KWARGS, "additional_config": _l3(master)},
+        )
+    return run, json.loads(out.read_text())
+
+
 def test_the_master_killed_and_restarted_while_sessions_run(tiny_models, runs, tmp_path):
     """Killed before the third turn: puts fail and nothing is read from L3 (requests recompute),
-    with the plugin-off tokens, one warning, `l3_outages` counting it, the engine going on;
+    with the plugin-off tokens, one warning, `l3_outages` counting it, the engine going on, and
+    no transfer tried (one would wait about 4 s on the dead master: the worker asks first);
     started again (empty) before the fourth: the L3 is on again within seconds, without an
-    engine restart, and the fourth turn reads from it what it put there again."""
-    out = tmp_path / "faults.json"
-    with mooncake_master() as master:
-        run = run_engine(
-            tiny_models["mimo"], sessions=runs["job"], max_tokens=100, patch="tests.test_l3_engine:master_faults",
-            env={"L3_FAULT_JOB": json.dumps({"pid": master.pid, "args": list(master.args), "out": str(out)})},
-            llm_kwargs={**SIX_USER_KWARGS, "additional_config": _l3(master)},
-        )
-    faults = json.loads(out.read_text())
+    engine restart, and the fourth turn reads from it what it put there again. Its negative
+    control: `test_pages_zeroed_on_their_way_from_l3_change_the_tokens`."""
+    run, faults = faulted_run(tiny_models["mimo"], runs["job"], tmp_path / "faults.json")
     tier = run.mimo["host_tier"]
     assert _tokens(run) == _tokens(runs["off"])
     assert len(run.log_lines("master at 127.0.0.1")) >= 1 and len(run.log_lines("is down")) == 1, tier
     assert tier["l3_outages"] == 1 and tier["l3_on"] == 1 and tier["l3_failed_puts"] > 0, tier
     assert faults["put"][2] > 0 and faults["put"][3] == 0 and faults["put"][4] > 0, faults
+    assert faults["transfers"][3] == 0, faults
     assert faults["fetched"][3] == 0 and faults["fetched"][4] > 0, faults  # L3 hits again after the restart
     assert faults["back_s"] is not None and faults["back_s"] < 10, faults
 

@@ -307,3 +307,39 @@ def test_an_admission_asks_the_store_once_and_a_waiting_request_not_again_until_
     assert plan is not None and plan.fetches and not plan.failed
     reader.finish_load(plan)
     assert reader.host_tier.l3.counts.store_calls == index.calls
+
+
+# --- the master going away ---------------------------------------------------------------------
+
+
+class _Master:
+    """A client's view of whether the master accepts connections (`MooncakeL3.reachable`)."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self.asked = 0
+
+    def reachable(self) -> bool:
+        self.asked += 1
+        return self.up
+
+
+def test_the_watch_asks_the_master_before_a_steps_transfers_so_none_waits_on_a_dead_one():
+    """A transfer to a master that died waits about 4 s before it fails; a refused connection
+    takes microseconds. So a step that moves pages asks first (one connection), and one that
+    moves none asks nothing while the master is up; while it is down, it is asked again every
+    `recheck_s`, and a failed transfer makes the watch ask at once."""
+    from vllm_mimo.offload.l3_index import L3Watch
+
+    master, now = _Master(), [0.0]
+    watch = L3Watch(master, recheck_s=1.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert watch.check() and master.asked == 0  # no transfers this step: no question
+    assert watch.check(transfers=True) and master.asked == 1
+    master.up = False  # killed between two steps
+    assert not watch.check(transfers=True) and master.asked == 2  # found before any transfer is tried
+    assert not watch.check(transfers=True) and master.asked == 2  # down: not asked again within recheck_s
+    master.up, now[0] = True, 1.0
+    assert watch.check() and master.asked == 3  # back, found at the recheck without a transfer
+    master.up = False
+    watch.failed()  # a transfer failed within a step
+    assert not watch.up and master.asked == 4

@@ -284,7 +284,8 @@ class MimoHostTierConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
         if self.buffer is None:
             return  # the tier is off: nothing is stored, every load fails
         if self.l3_watch is not None:
-            self._meta().l3_reachable = self.l3_watch.check()
+            meta = kv_connector_metadata
+            self._meta().l3_reachable = self.l3_watch.check(transfers=bool(meta.puts or meta.fetches))
         if kv_connector_metadata.puts:
             self._put(kv_connector_metadata.puts)
         if not kv_connector_metadata.stores:

@@ -102,10 +102,12 @@ def connect_l3(settings: L3Settings, memory: Any) -> MooncakeL3 | None:
 
 
 class L3Watch:
-    """Whether the store's master is up, as a worker finds it: down when a transfer fails and the
-    master accepts no connection (`MooncakeL3.reachable`), checked again every `recheck_s` while
-    down, up once it accepts one (Mooncake's client reconnects by itself; a restarted master
-    starts empty, and puts fill it again)."""
+    """Whether the store's master is up, as a worker finds it: down when it accepts no connection
+    (`MooncakeL3.reachable`) before a step's transfers or after a transfer failed, checked again
+    every `recheck_s` while down, up once it accepts one (Mooncake's client reconnects by itself;
+    a restarted master starts empty, and puts fill it again). Asked before the transfers because
+    a transfer to a master that died waits about 4 s before it fails, while a connection to it is
+    refused at once."""
 
     def __init__(self, client: MooncakeL3, recheck_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
@@ -116,13 +118,20 @@ class L3Watch:
 
     def failed(self) -> None:
         """A transfer failed: the master is down if it accepts no connection."""
-        if self.up and not self.client.reachable():
-            self.up = False
-            self._next_check = self.clock() + self.recheck_s
+        self._ask_while_up()
 
-    def check(self) -> bool:
-        """Whether the master is up (asked again while down, at most every `recheck_s`)."""
-        if not self.up and self.clock() >= self._next_check:
+    def check(self, transfers: bool = False) -> bool:
+        """Whether the master is up (asked again while down, at most every `recheck_s`); with
+        `transfers` (the step moves pages), asked while up too."""
+        if self.up:
+            if transfers:
+                self._ask_while_up()
+        elif self.clock() >= self._next_check:
             self.up = self.client.reachable()
             self._next_check = self.clock() + self.recheck_s
         return self.up
+
+    def _ask_while_up(self) -> None:
+        if self.up and not self.client.reachable():
+            self.up = False
+            self._next_check = self.clock() + self.recheck_s

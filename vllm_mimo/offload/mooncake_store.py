@@ -170,7 +170,8 @@ class MooncakeL3:
 
     def reachable(self, timeout_s: float = 0.2) -> bool:
         """Whether the master accepts a connection now (its client reconnects by itself once it
-        does; while it does not, a put waits about 4 s before it fails)."""
+        does; while it does not, a transfer waits about 4 s before it fails: `L3Watch` asks this
+        first)."""
         try:
             _probe(*split_address(self.settings.master), "master", timeout_s)
         except L3Unavailable:
