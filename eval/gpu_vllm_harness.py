@@ -54,6 +54,8 @@ STAND_INS = [
     "for the sink case, a second run as on SM90 with trtllm-gen's cubins: FlashInferBackend.supports_sink() "
     "answering True and the platform capability 90, so vLLM's prefill rows take the attention-sink wrapper "
     "stand-in and its decode rows the decode stand-in with sinks",
+    "on vLLM 0.33's sources, the trtllm-gen counter buffer its FlashInferImpl allocates on CUDA at "
+    "construction: FlashInfer's SM count answered 1, the buffer's size 0, the buffer on the CPU",
 ]
 
 
@@ -163,7 +165,12 @@ def install_flashinfer_stand_ins() -> None:
     _module("flashinfer.prefill").__dict__.update(
         trtllm_batch_context_with_kv_cache=_unavailable("trtllm_batch_context_with_kv_cache")
     )
-    _module("flashinfer.utils").__dict__.update(FP4Tensor=type("FP4Tensor", (), {}))
+    # vLLM 0.33 sizes a trtllm-gen counter buffer from these at FlashInferImpl's construction.
+    _module("flashinfer.utils").__dict__.update(
+        FP4Tensor=type("FP4Tensor", (), {}),
+        get_device_sm_count=lambda device: 1,
+        get_trtllm_gen_multi_ctas_kv_counter_bytes=lambda *args: 0,
+    )
 
 
 def _write_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -191,6 +198,10 @@ def install_cpu_stand_ins(flashinfer_module: Any) -> None:
             return run
 
     flashinfer_module._copy_page_indices_kernel = PageIndexCopy()
+    if hasattr(flashinfer_module, "_get_multi_ctas_kv_counter_buffer"):  # vLLM 0.33: a buffer on "cuda"
+        flashinfer_module._get_multi_ctas_kv_counter_buffer = lambda min_bytes, device: torch.zeros(
+            min_bytes, dtype=torch.uint8
+        )
 
 
 def install_diffkv_stand_ins() -> None:
