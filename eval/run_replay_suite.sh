@@ -78,4 +78,8 @@ if [ -z "$SUFFIX" ]; then
   # overloads one simulated engine (mean TTFT ~10 min for every engine); at 4x its timestamps
   # swa-free's mean TTFT is ~3 s at 320 GiB. Every request is kept, so the trace's reuse is the same.
   run mooncake-conversation-stretch4 --trace eval/traces/mooncake-conversation-dev.jsonl --stretch 4 -- 80 160 320 640
+  # A second public trace (issue 56): 2,183 requests of the Mooncake FAST'25 synthetic trace, whose
+  # prompts fork mid-prompt (at a block an earlier prompt passed through) far more often.
+  run mooncake-synthetic --trace eval/traces/mooncake-synthetic-dev.jsonl -- 80 160 320 640
+  run mooncake-synthetic-stretch4 --trace eval/traces/mooncake-synthetic-dev.jsonl --stretch 4 -- 80 160 320 640
 fi
