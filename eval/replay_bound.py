@@ -1,7 +1,8 @@
 """How close any anchor policy could come to `swa-free`: the plugin's manager with clairvoyant anchors.
 
     python -m eval.replay_bound (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G [G ...]
-        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--json OUT] [--quiet]
+        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--engines E,...]
+        [--oracle-kinds K,...] [--json OUT] [--quiet]
 
 Replays like `eval.replay`, and per budget runs four engines on the same requests and blocks:
 `swa-free`, the plugin (`mimo`), and two variants of the plugin's manager that read the whole
@@ -13,7 +14,9 @@ workload in advance:
     comes last in arrival order (Belady's rule over anchors; a preempted request's resume
     anchor goes last, since that request comes back first in line).
 Everything else (the pools, Full eviction, the SWA mask, the step cut) is the plugin's. They are
-measuring tools, not policies. Where even they stay well below `swa-free`, what is missing is
+measuring tools, not policies. With `--oracle-kinds` the clairvoyant engines read the future only
+for the speculative kinds named, and place the others by the plugin's own rule: which kinds'
+choices the plugin's gap to the bound comes from. Where even they stay well below `swa-free`, what is missing is
 the memory SWA KV itself takes (anchor windows, running windows, a prefill's own blocks), not
 a better choice of which anchors to keep.
 
@@ -37,7 +40,7 @@ from eval.replay import RunResult, SimParams, add_source_arguments, ideal_hits, 
 from eval.workloads import ReplayRequest, tokens
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.kv_cache.anchor_policy import AnchorPlacement
-from vllm_mimo.kv_cache.anchors import AnchorDecision, AnchorSet
+from vllm_mimo.kv_cache.anchors import SPECULATIVE_KINDS, AnchorDecision, AnchorSet
 from vllm_mimo.kv_cache.contract import CacheObserver
 from vllm_mimo.kv_cache.node import Anchor, AnchorKind, Node
 
@@ -115,13 +118,24 @@ class ClairvoyantPlacement(AnchorPlacement):
     hit ends (`Clairvoyance.worth_placing`), and with `belady`, evicting within each tier of
     the eviction order (`AnchorSet.tiers`) the anchor used again last."""
 
-    def __init__(self, *args, sight: Clairvoyance, belady: bool, **kwargs) -> None:
+    def __init__(
+        self, *args, sight: Clairvoyance, belady: bool, oracle_kinds: frozenset[AnchorKind] = SPECULATIVE_KINDS, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.sight = sight
         self.belady = belady
+        self.oracle_kinds = oracle_kinds
 
     def keep(self, decisions: list[AnchorDecision]) -> Sequence[AnchorDecision]:
-        return [d for d in decisions if d.demote or self.sight.worth_placing(d.node, d.kind)]
+        """Decisions to place a speculative kind outside `oracle_kinds` are kept as the plugin
+        made them."""
+        return [
+            d
+            for d in decisions
+            if d.demote
+            or (d.kind in SPECULATIVE_KINDS and d.kind not in self.oracle_kinds)
+            or self.sight.worth_placing(d.node, d.kind)
+        ]
 
     def victim(self, anchors: AnchorSet, include_held: bool = False) -> Anchor | None:
         if not self.belady:
@@ -154,17 +168,17 @@ class HitsByKind(CacheObserver):
         self.tokens[kind] += hit_tokens
 
 
-def plugin_factory(requests: list[ReplayRequest], ideal: list[int], hits: HitsByKind,
-                   engine: str) -> Callable[..., HybridKVCacheManager]:
+def plugin_factory(requests: list[ReplayRequest], ideal: list[int], hits: HitsByKind, engine: str,
+                   oracle_kinds: frozenset[AnchorKind] = SPECULATIVE_KINDS) -> Callable[..., HybridKVCacheManager]:
     """Builds the manager of one of the plugin's `ENGINES` (see the module docstring), observed
-    by `hits`."""
+    by `hits`; a clairvoyant one reads the future for `oracle_kinds` of the speculative kinds."""
 
     def make(*args, **kwargs) -> HybridKVCacheManager:
         if engine == "mimo":
             manager = HybridKVCacheManager(*args, observers=[hits], **kwargs)
         else:
             sight = Clairvoyance(requests, ideal)
-            policy = partial(ClairvoyantPlacement, sight=sight, belady=engine == "clairvoyant")
+            policy = partial(ClairvoyantPlacement, sight=sight, belady=engine == "clairvoyant", oracle_kinds=oracle_kinds)
             manager = HybridKVCacheManager(*args, observers=[sight, hits], anchor_policy=policy, **kwargs)
             sight.manager = manager
         hits.block_size = manager.cache.block_size
@@ -173,18 +187,19 @@ def plugin_factory(requests: list[ReplayRequest], ideal: list[int], hits: HitsBy
     return make
 
 
-def print_table(runs: list[RunResult]) -> None:
+def print_table(runs: list[RunResult], engines: Sequence[str] = ENGINES) -> None:
+    """Hit tokens per budget and engine, and (with `swa-free` among `engines`) each plugin
+    engine's over `swa-free`'s."""
     by_budget: dict[float, dict[str, RunResult]] = {}
     for run in runs:
         by_budget.setdefault(run.kv_gib, {})[run.engine] = run
-    head = "| KV GiB | ideal | " + " | ".join(ENGINES) + " | " + " | ".join(f"{e} ÷ swa-free" for e in ENGINES[1:]) + " |"
-    print(head)
-    print("|" + "---:|" * (2 + 2 * len(ENGINES) - 1))
+    over = [e for e in engines if e != "swa-free"] if "swa-free" in engines else []
+    print("| KV GiB | ideal | " + " | ".join(engines) + "".join(f" | {e} ÷ swa-free" for e in over) + " |")
+    print("|" + "---:|" * (2 + len(engines) + len(over)))
     for kv_gib, row in by_budget.items():
-        free = row["swa-free"].hit_tokens or 1
-        cells = [f"{kv_gib:g}", f"{row['swa-free'].ideal_hit_tokens:,}"]
-        cells += [f"{row[e].hit_tokens:,}" for e in ENGINES]
-        cells += [f"{row[e].hit_tokens / free:.2f}" for e in ENGINES[1:]]
+        cells = [f"{kv_gib:g}", f"{row[engines[0]].ideal_hit_tokens:,}"]
+        cells += [f"{row[e].hit_tokens:,}" for e in engines]
+        cells += [f"{row[e].hit_tokens / (row['swa-free'].hit_tokens or 1):.2f}" for e in over]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -205,11 +220,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_bound", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
     parser.add_argument("--kv-gib", type=float, nargs="+", required=True, help="KV cache budgets in GiB, each > 0")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated engines to run, of {', '.join(ENGINES)} (default: all, in that order)",
+    )
+    kinds = sorted(k.value for k in SPECULATIVE_KINDS)
+    parser.add_argument(
+        "--oracle-kinds",
+        default=",".join(kinds),
+        help=f"comma-separated speculative anchor kinds the clairvoyant engines place from the future, of "
+        f"{', '.join(kinds)}; the others they place by the plugin's own rule (default: all of them)",
+    )
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     if any(not g > 0 for g in args.kv_gib):
         parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
+    engines = [e for e in args.engines.split(",") if e]
+    if not engines or set(engines) - set(ENGINES) or len(set(engines)) < len(engines):
+        parser.error(f"--engines must name each of {', '.join(ENGINES)} at most once, got {args.engines!r}")
+    oracle = [k for k in args.oracle_kinds.split(",") if k]
+    if not oracle or set(oracle) - set(kinds):
+        parser.error(f"--oracle-kinds must name one or more of {', '.join(kinds)}, got {args.oracle_kinds!r}")
+    oracle_kinds = frozenset(AnchorKind(k) for k in oracle)
     source = load_source(parser, args)
     if source is None:
         return 2
@@ -220,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     kinds: dict[tuple[str, float], Counter[str]] = {}
     for kv_gib in args.kv_gib:
-        for name in ENGINES:
+        for name in engines:
             engine = "swa-free" if name == "swa-free" else "mimo"
             factory = None
             if engine == "mimo":
                 hits = HitsByKind()
                 kinds[name, kv_gib] = hits.tokens
-                factory = plugin_factory(requests, ideal, hits, name)
+                factory = plugin_factory(requests, ideal, hits, name, oracle_kinds)
             try:
                 run = simulate(engine, args.layout, kv_gib, requests, ideal, params,
                                progress=not args.quiet, mimo_factory=factory)
@@ -238,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             if engine == "mimo":
                 assert sum(kinds[name, kv_gib].values()) == run.hit_tokens, "hits by kind do not add up"
             runs.append(run)
-    print_table(runs)
+    print_table(runs, engines)
     print_kinds_table(runs, kinds)
     if args.json:
         rows = []
@@ -248,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["hits_by_anchor_kind"] = dict(kinds[run.engine, run.kv_gib])
             rows.append(row)
         args.json.write_text(json.dumps({
-            "source": source_name, "layout": args.layout, "skipped_too_long": source.skipped_too_long, "runs": rows,
+            "source": source_name, "layout": args.layout, "skipped_too_long": source.skipped_too_long,
+            "oracle_kinds": sorted(oracle), "runs": rows,
         }, indent=2) + "\n")
     return 0
 

@@ -15,9 +15,9 @@ PY=${PY:-.venv/bin/python}
 DIR=${VLLM033_DIR:-.vllm033}
 mode=${1:-}
 case "$mode" in
-  check) shift; args=(-m "not engine" tests) ;;
+  check) shift; args=(-m "not engine and not slow" tests) ;;
   test) shift; args=(tests -n "${TEST_PROCS:-2}" --dist loadfile --durations=15) ;;
-  *) echo "usage: $0 check|test [pytest arguments...] (check: no engine tests; test: all)" >&2; exit 2 ;;
+  *) echo "usage: $0 check|test [pytest arguments...] (check: what make check runs; test: all)" >&2; exit 2 ;;
 esac
 if [ ! -f "$DIR/.ready" ]; then
   kernels=$("$PY" -c 'import os, vllm; print(os.path.dirname(vllm.__file__))')

@@ -9,6 +9,7 @@ import pytest
 
 from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity, replay_ttft, replay_us
 from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
+from vllm_mimo.kv_cache.anchors import SPECULATIVE_KINDS
 from vllm_mimo.kv_cache.contract import CacheObserver
 from vllm_mimo.kv_cache.node import AnchorKind
 
@@ -188,6 +189,70 @@ def test_diagnosis_rejects_bad_input(capsys):
     with pytest.raises(SystemExit):
         replay_diagnose.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "0"])
     assert "--kv-gib must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_clairvoyance_for_some_kinds_only(tmp_path):
+    """eval.replay_bound --oracle-kinds: the clairvoyant engines read the future for the kinds
+    named only; the plugin's rule places the other speculative kinds, where no later hit ends too
+    (the negative control: without the option none is placed there)."""
+    requests = make_workload("shared-system-prompt", seed=0)[:80]
+    ideal = replay.ideal_hits(requests)
+
+    def placements(oracle_kinds) -> tuple[list[tuple[AnchorKind, bool]], int]:
+        placed: list[tuple[AnchorKind, bool]] = []
+        make = replay_bound.plugin_factory(requests, ideal, replay_bound.HitsByKind(), "clairvoyant-placement", oracle_kinds)
+
+        class Recorded(CacheObserver):
+            def anchor_placed(self, anchor, kind) -> None:
+                placed.append((kind, sight.worth_placing(anchor.node, kind)))
+
+        def recorded(*args, **kwargs):
+            nonlocal sight
+            manager = make(*args, **kwargs)
+            sight = replay_bound.Clairvoyance(requests, ideal)
+            sight.manager = manager
+            manager.cache.subscribe(Recorded())
+            return manager
+
+        sight = None
+        run = replay.simulate("mimo", "mimo-v2.5-pro", 1.0, requests, ideal, replay.SimParams(),
+                              progress=False, mimo_factory=recorded)
+        return placed, run.hit_tokens
+
+    tails = frozenset({AnchorKind.PROMPT_TAIL})
+    placed, hits = placements(tails)
+    assert all(ok for kind, ok in placed if kind is AnchorKind.PROMPT_TAIL)
+    assert any(not ok for kind, ok in placed if kind is not AnchorKind.PROMPT_TAIL and kind in SPECULATIVE_KINDS)
+    everywhere, _ = placements(SPECULATIVE_KINDS)
+    assert everywhere and all(ok for kind, ok in everywhere if kind in SPECULATIVE_KINDS)
+
+    out = tmp_path / "bound.json"
+    assert replay_bound.main(["--workload", "shared-system-prompt", "--layout", "mimo-v2.5-pro", "--kv-gib", "1",
+                              "--max-requests", "80", "--quiet", "--engines", "clairvoyant-placement",
+                              "--oracle-kinds", "prompt_tail", "--json", str(out)]) == 0
+    bound = json.loads(out.read_text())
+    assert bound["oracle_kinds"] == ["prompt_tail"]
+    assert [(r["engine"], r["hit_tokens"]) for r in bound["runs"]] == [("clairvoyant-placement", hits)]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        (
+            "--oracle-kinds",
+            "grid,hot",
+            "--oracle-kinds must name one or more of grid, output_end, prompt_end, prompt_tail, got 'grid,hot'",
+        ),
+        ("--oracle-kinds", "", "--oracle-kinds must name one or more of"),
+        ("--engines", "mimo,mimo", "--engines must name each of swa-free, mimo, clairvoyant-placement, clairvoyant at most once"),
+        ("--engines", "upstream-r0", "--engines must name each of"),
+    ],
+)
+def test_replay_bound_rejects_bad_engines_and_kinds(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as e:
+        replay_bound.main(["--workload", "mixed", "--layout", "mimo-v2.5-pro", "--kv-gib", "4", flag, value])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_clairvoyant_anchors_sit_only_where_a_later_request_hits(tmp_path):

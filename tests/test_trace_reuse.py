@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eval.trace_reuse import bands_of, main, next_use_seconds
+from eval.trace_reuse import bands_of, cached_shares, main, next_use_seconds
 from eval.workloads import read_mooncake
 
 
@@ -37,6 +37,21 @@ def test_a_later_request_goes_on_from_all_of_a_prompt_but_its_last_block(tmp_pat
     assert (small.requests, small.continued, large.requests, large.continued) == (2, 1, 3, 1)
     assert large.share == pytest.approx(1 / 3) and large.seconds_median == 2.0
     assert small.seconds_median == 4.0 and small.label == "0-1,000" and large.label == ">= 1,000"
+
+
+def test_bands_by_the_share_of_the_prompt_cached_on_arrival(tmp_path, capsys):
+    requests = read_mooncake(_trace(tmp_path, LINES))
+    assert cached_shares(requests) == [0.0, 0.5, 0.0, 0.5, 2 / 3]
+    none, under, half = bands_of(requests, (), by_cached=True)
+    assert (none.requests, none.continued, under.requests, half.requests, half.continued) == (2, 1, 0, 3, 1)
+    assert half.label == "half or more"
+    out = tmp_path / "reuse.json"
+    assert main(["--trace", _trace(tmp_path, LINES), "--by", "cached", "--json", str(out)]) == 0
+    assert [b["label"] for b in json.loads(out.read_text())["bands"]] == ["none", "under half", "half or more"]
+    assert "| half or more | 3 | 1 | 0.33 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--trace", _trace(tmp_path, LINES), "--by", "cached", "--bands", "1000"])
+    assert "--bands applies to --by length only" in capsys.readouterr().err
 
 
 def test_the_command_writes_the_table_and_rejects_bad_bands(tmp_path, capsys):
