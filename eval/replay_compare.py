@@ -12,7 +12,14 @@ Exit status 0 when every run in both folders has the same counts, 1 otherwise, 2
 
 For a change that is meant to change one engine's results (a policy), `--table ENGINE` prints
 that engine's hit tokens, mean and p90 TTFT and preemptions before and after, point by point, as
-a Markdown table, and the worst ratio of hit tokens after to before.
+a Markdown table, and the worst ratio of hit tokens after to before; with `--min RATIO` the exit
+status is 1 when some point's ratio is below RATIO. The guard of a policy change (issue 56: no
+point of the suite, the slice or the synthetic trace loses more than 2%), with the plugin alone
+run into another folder:
+
+    SGLANG=0 PLOT=0 ENGINES=mimo OUT=/tmp/after eval/run_replay_suite.sh
+    SGLANG=0 PLOT=0 ENGINES=mimo OUT=/tmp/after eval/run_replay_suite.sh --open-loop
+    python -m eval.replay_compare eval/results /tmp/after --table mimo --min 0.98
 """
 
 from __future__ import annotations
@@ -55,8 +62,9 @@ def compare(before: Path, after: Path, pattern: str) -> tuple[list[str], int]:
     return lines, compared
 
 
-def table(before: Path, after: Path, pattern: str, engine: str) -> list[str]:
-    """One Markdown row per budget of `engine` in both folders, and a closing line."""
+def table(before: Path, after: Path, pattern: str, engine: str) -> tuple[list[str], float]:
+    """One Markdown row per budget of `engine` in both folders, and a closing line; and the
+    lowest ratio of hit tokens after to before."""
     lines = [
         "| file | KV GiB | hit before | hit after | after ÷ before | TTFT s before / after | p90 before / after | "
         "preemptions before / after |",
@@ -82,7 +90,7 @@ def table(before: Path, after: Path, pattern: str, engine: str) -> list[str]:
     if worst is None:
         raise ValueError(f"no {engine} runs in both {before} and {after}")
     lines.append(f"\n{len(lines) - 2} points; lowest hit tokens after ÷ before: {worst[0]:.4f} ({worst[1]})")
-    return lines
+    return lines, worst[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,16 +103,28 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ENGINE",
         help="print ENGINE's hits, TTFT and preemptions before and after, point by point, instead of the differences",
     )
+    parser.add_argument(
+        "--min",
+        type=float,
+        metavar="RATIO",
+        help="with --table: exit status 1 when some point's hit tokens after ÷ before is below RATIO (> 0)",
+    )
     args = parser.parse_args(argv)
+    if args.min is not None and (args.table is None or not args.min > 0):
+        parser.error(f"--min needs --table and a ratio > 0, got --min {args.min}" + ("" if args.table else " without --table"))
     for folder in (args.before, args.after):
         if not folder.is_dir():
             parser.error(f"{folder} is not a folder")
     if args.table:
         try:
-            print("\n".join(table(args.before, args.after, args.pattern, args.table)))
+            lines, lowest = table(args.before, args.after, args.pattern, args.table)
         except (OSError, ValueError, KeyError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        print("\n".join(lines))
+        if args.min is not None and lowest < args.min:
+            print(f"below {args.min:g} at some point: lowest {lowest:.4f}")
+            return 1
         return 0
     try:
         lines, compared = compare(args.before, args.after, args.pattern)

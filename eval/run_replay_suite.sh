@@ -10,6 +10,9 @@
 #       bytes (5x), the reference. Files eval/results/host-<workload>[-open-loop].{json,txt}
 #   ONLY="mixed agent-sessions" eval/run_replay_suite.sh ...   those workloads only
 #   PLOT=0 eval/run_replay_suite.sh ...   no plots (they need matplotlib: pip install 'vllm-mimo[eval]')
+#   OUT=DIR eval/run_replay_suite.sh ...  the files into DIR instead of eval/results
+#   ENGINES=mimo eval/run_replay_suite.sh ...   only these of eval.replay's engines on the plugin's side
+#       (a policy change's guard: with SGLANG=0 PLOT=0 OUT=..., then eval.replay_compare --table mimo --min)
 #   SGLANG=0 / SGLANG=only eval/run_replay_suite.sh ...   without / only SGLang's engines (make sglang):
 #       they run apart, into replay-<workload>[-open-loop]-sglang.{json,txt}, as they do not change
 #       with the plugin; SGLang as it ships at three ratios and with its unified pool, and its best
@@ -19,7 +22,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # vLLM's block hashes and the OffloadingConnector's order follow Python's hash seed: fix it.
 export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
-OUT=eval/results
+OUT=${OUT:-eval/results}
+ENGINES=${ENGINES:-}
 EXTRA=() SUFFIX= HOST= ONLY=${ONLY:-} PLOT=${PLOT:-1} SGLANG=${SGLANG:-1}
 SGLANG_ENGINES=sglang-r0.8,sglang-r0.2,sglang-r0.05,sglang-unified,sglang-r0.05-norefresh,sglang-unified-norefresh
 for arg in "$@"; do
@@ -29,6 +33,10 @@ for arg in "$@"; do
     *) echo "usage: $0 [--open-loop] [--host]" >&2; exit 2 ;;
   esac
 done
+if [ -n "$ENGINES" ] && { [ -n "$HOST" ] || [ "$SGLANG" = only ]; }; then
+  echo "$0: ENGINES picks the plugin side's engines of the replay suite; it does not apply to --host or SGLANG=only" >&2
+  exit 2
+fi
 case "$PLOT" in 0|1) ;; *) echo "$0: PLOT must be 0 or 1, got '$PLOT'" >&2; exit 2 ;; esac
 case "$SGLANG" in 0|1|only) ;; *) echo "$0: SGLANG must be 0, 1 or only, got '$SGLANG'" >&2; exit 2 ;; esac
 if [ -z "$HOST" ] && [ "$SGLANG" != 0 ] && ! "$PY" -c 'from eval import sglang_peer; sglang_peer.load()' >/dev/null 2>&1; then
@@ -47,7 +55,8 @@ run() {  # name, source args..., -- budgets...
   if [ -z "$HOST" ]; then
     local plot=(); [ "$PLOT" = 1 ] && plot=(--plot "$OUT/replay-$name.png")
     if [ "$SGLANG" != only ]; then
-      "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" \
+      local engines=(); [ -n "$ENGINES" ] && engines=(--engines "$ENGINES")
+      "$PY" -m eval.replay "${src[@]}" "${EXTRA[@]}" --layout mimo-v2.5-pro --kv-gib "$@" "${engines[@]}" \
         --json "$OUT/replay-$name.json" "${plot[@]}" | tee "$OUT/replay-$name.txt"
     fi
     if [ "$SGLANG" != 0 ]; then

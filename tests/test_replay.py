@@ -331,6 +331,13 @@ def test_compare_finds_the_same_counts_or_names_the_difference(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "| replay-siblings | 4 | 2,032 | 2,016 | 0.9921 |" in out
     assert "1 points; lowest hit tokens after ÷ before: 0.9921 (replay-siblings 4 GiB)" in out
+    assert replay_compare.main([str(before), str(after), "--table", "mimo", "--min", "0.99"]) == 0
+    assert replay_compare.main([str(before), str(after), "--table", "mimo", "--min", "0.995"]) == 1
+    assert "below 0.995 at some point: lowest 0.9921" in capsys.readouterr().out
+    for bad in (["--min", "0.98"], ["--table", "mimo", "--min", "0"]):
+        with pytest.raises(SystemExit):
+            replay_compare.main([str(before), str(after), *bad])
+        assert "--min needs --table and a ratio > 0" in capsys.readouterr().err
     assert replay_compare.main([str(before), str(after), "--table", "nope"]) == 2
     assert "no nope runs" in capsys.readouterr().err
     with pytest.raises(SystemExit):
