@@ -14,10 +14,11 @@ workload in advance:
     comes last in arrival order (Belady's rule over anchors; a preempted request's resume
     anchor goes last, since that request comes back first in line).
 Everything else (the pools, Full eviction, the SWA mask, the step cut) is the plugin's. They are
-measuring tools, not policies. With `--oracle-kinds` the clairvoyant engines read the future only
-for the speculative kinds named, and place the others by the plugin's own rule: which kinds'
-choices the plugin's gap to the bound comes from. Where even they stay well below `swa-free`, what is missing is
-the memory SWA KV itself takes (anchor windows, running windows, a prefill's own blocks), not
+measuring tools, not policies. With `--oracle-kinds` the clairvoyant engines place the
+speculative kinds (grid points, prompt tails and ends, output ends) not named by the plugin's own
+rule, and the rest (those named, hot prefixes, branch points) only where a later hit ends: which
+kinds' choices the plugin's gap to the bound comes from. Where even they stay well below
+`swa-free`, what is missing is the memory SWA KV itself takes (anchor windows, running windows, a prefill's own blocks), not
 a better choice of which anchors to keep.
 
 A second table splits each plugin engine's hit tokens by the kind of anchor each hit ends at
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         "--oracle-kinds",
         default=",".join(kinds),
         help=f"comma-separated speculative anchor kinds the clairvoyant engines place from the future, of "
-        f"{', '.join(kinds)}; the others they place by the plugin's own rule (default: all of them)",
+        f"{', '.join(kinds)}; those not named they place by the plugin's own rule (hot prefixes and branch "
+        "points always from the future) (default: all of them)",
     )
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--quiet", action="store_true", help="no progress output")

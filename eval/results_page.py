@@ -847,7 +847,7 @@ def synthetic_targets(results: Path) -> list[str]:
         + (", ".join(short) if short else "none of them")
         + ":",
         "    there the Full KV the plugin keeps falls short too, not only the windows at the forks.",
-        "    The bound reading the future for grid points only (the plugin's rule for the rest) is, over 1.1x",
+        "    The bound reading the future for grid points only (the plugin's rule for the other speculative kinds) is, over 1.1x",
         f"    SGLang's best: {partial('grid')};",
         f"    for prompt tails, prompt ends and output ends only: {partial('ends')}",
         "    (bound-mooncake-synthetic-dev*-oracle-{grid,ends}.json): where the plugin falls short at the",
