@@ -20,6 +20,10 @@ run into another folder:
     SGLANG=0 PLOT=0 ENGINES=mimo OUT=/tmp/after eval/run_replay_suite.sh
     SGLANG=0 PLOT=0 ENGINES=mimo OUT=/tmp/after eval/run_replay_suite.sh --open-loop
     python -m eval.replay_compare eval/results /tmp/after --table mimo --min 0.98
+
+The long conversations' current plugin rows are in `replay-long-conversations{,-shared}-mimo.json`
+(a rerun of the plugin alone; the files without `-mimo` keep the rows of the commit the peers ran
+at): compare the suite's files of those two workloads with them, under the `-mimo` names.
 """
 
 from __future__ import annotations
