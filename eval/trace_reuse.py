@@ -113,7 +113,8 @@ def bands_of(requests: list[ReplayRequest], edges: tuple[int, ...], by_cached: b
     return bands
 
 
-def _edges(text: str) -> tuple[int, ...]:
+def token_edges(text: str) -> tuple[int, ...]:
+    """`--bands`: comma-separated token counts, positive and ascending."""
     try:
         edges = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.trace_reuse", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser, replay=False)
     parser.add_argument(
-        "--bands", type=_edges, metavar="TOKENS,...",
+        "--bands", type=token_edges, metavar="TOKENS,...",
         help="with --by length, prompt lengths where one band ends and the next starts, ascending "
         f"(default: {','.join(map(str, DEFAULT_BANDS))})",
     )
