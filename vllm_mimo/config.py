@@ -139,6 +139,17 @@ class MimoConfig:
             max=1_048_576,
         ),
     )
+    chunk_anchor_tokens: int = field(
+        default=0,
+        metadata=_key(
+            "Every this many prompt tokens (a multiple of grid_anchor_tokens), a grid point is a "
+            "chunk point, as SGLang keeps its prefill chunks' ends: its window starts live and "
+            "is ranked by the whole prefix a hit there saves, so a later request that forks deep "
+            "in a long prompt hits back to the last chunk point. 0 turns chunk points off.",
+            min=0,
+            max=1_048_576,
+        ),
+    )
     prefill_chunk_tokens: int = field(
         default=2048,
         metadata=_key(
@@ -267,6 +278,12 @@ class MimoConfig:
             raise MimoConfigError(
                 f"l3_master={self.l3_master!r} needs the host tier, but host_tier_gib=0; set "
                 "host_tier_gib > 0 (the L3's pages pass through it) or l3_master to \"\""
+            )
+        if self.chunk_anchor_tokens and (not self.grid_anchor_tokens or self.chunk_anchor_tokens % self.grid_anchor_tokens):
+            raise MimoConfigError(
+                f"chunk_anchor_tokens={self.chunk_anchor_tokens} must be a multiple of "
+                f"grid_anchor_tokens={self.grid_anchor_tokens} (chunk points are grid points), "
+                "with grid anchors on; or 0 (off)"
             )
         defaults = MimoConfig.keys()
         stray = [f"{k}={getattr(self, k)!r}" for k in ("l3_gib", "l3_metadata") if getattr(self, k) != defaults[k].default]

@@ -44,6 +44,15 @@ agentic traffic a long prompt is often a tool loop whose next turn comes within 
 short one a conversation's last turn, and one share for both ranked them alike; an uncapped
 reach from tails kept the tails of ended conversations over everything (measured in
 eval/RESULTS.md, issue 18).
+
+Every `chunk_every`-th grid point of a prompt is a chunk point (`chunk_point`; config
+`chunk_anchor_tokens`), as SGLang keeps the SWA windows at its prefill chunks' ends: a request
+that forks deep in a long prompt, after the grid windows there went, hits back to the last
+chunk point instead of to the live anchor far above. A chunk point learns its own share, reaches
+back its whole depth (what a fork below it saves: the grid windows above start demoted), and is
+worth per block of its window alone (a deeper anchor of the prompt keeps its path's Full KV), so
+it starts live where forks come and outlives the demoted grid windows around it
+(eval/notes/branch-points.md, issue 56).
 """
 
 from __future__ import annotations
@@ -162,11 +171,13 @@ class AnchorPlacement(AnchorPolicy):
         ghost_capacity: int,
         window_cost: int = 1,
         full_blocks_per_position: int = 1,
+        chunk_every: int = 0,
     ) -> None:
         self.block_size = block_size
         self.window_cost = window_cost
         self.full_blocks_per_position = full_blocks_per_position
         self.grid_blocks = grid_tokens // block_size
+        self.chunk_blocks = chunk_every * self.grid_blocks  # 0: no chunk points
         self.hot_prefix_min_hits = hot_prefix_min_hits
         self.ghost_capacity = ghost_capacity
         self.created: Counter[AnchorKind] = Counter()
@@ -174,6 +185,8 @@ class AnchorPlacement(AnchorPolicy):
         # Prompt tails placed and served per depth band.
         self._tails_created: Counter[int] = Counter()
         self._tails_served: Counter[int] = Counter()
+        # Chunk points placed and served (a share apart from the other grid points').
+        self._chunks = Counter({"created": 0, "served": 0})
         # Node key of a speculative anchor evicted before it served -> its kinds.
         self._ghosts: OrderedDict[Any, frozenset[AnchorKind]] = OrderedDict()
         # Per running request: anchors due when caching reaches these position counts.
@@ -181,10 +194,17 @@ class AnchorPlacement(AnchorPolicy):
 
     # ------------------------------------------------------------- learning
 
+    def chunk_point(self, kind: AnchorKind, depth: int) -> bool:
+        """Whether an anchor of `kind` at `depth` is a chunk point (see the module docstring)."""
+        return kind is AnchorKind.GRID and bool(self.chunk_blocks) and (depth + 1) % self.chunk_blocks == 0
+
     def usefulness(self, kind: AnchorKind, depth: int | None = None) -> float:
         """Share of this kind's anchors that served a hit so far, or would have had they not
         been evicted (1/2 before any evidence); for a prompt tail at `depth`, the share of those
-        in its `depth_band`, starting from the kind's (`BAND_PRIOR`)."""
+        in its `depth_band`, starting from the kind's (`BAND_PRIOR`); for a chunk point, the
+        share of chunk points."""
+        if depth is not None and self.chunk_point(kind, depth):
+            return (self._chunks["served"] + 1) / (self._chunks["created"] + 2)
         share = (self.served[kind] + 1) / (self.created[kind] + 2)
         if depth is None or kind is not AnchorKind.PROMPT_TAIL:
             return share
@@ -195,12 +215,14 @@ class AnchorPlacement(AnchorPolicy):
         self.served.update(kinds)
         if AnchorKind.PROMPT_TAIL in kinds:
             self._tails_served[depth_band(depth)] += 1
+        if AnchorKind.GRID in kinds and self.chunk_point(AnchorKind.GRID, depth):
+            self._chunks["served"] += 1
 
     def reach(self, kind: AnchorKind, depth: int) -> int:
         """Positions an anchor of `kind` at `depth` is expected to make hittable at most: from
-        an output end its whole conversation, from a prompt tail up to `TAIL_REACH`, from a grid
-        point its grid interval, from the others up to `WORTH_REACH`."""
-        if kind is AnchorKind.OUTPUT_END:
+        an output end and a chunk point its whole prefix, from a prompt tail up to `TAIL_REACH`,
+        from a grid point its grid interval, from the others up to `WORTH_REACH`."""
+        if kind is AnchorKind.OUTPUT_END or self.chunk_point(kind, depth):
             return depth + 1
         cap = {AnchorKind.PROMPT_TAIL: TAIL_REACH, AnchorKind.GRID: self.grid_blocks or WORTH_REACH}
         return min(depth + 1, cap.get(kind, WORTH_REACH))
@@ -215,10 +237,12 @@ class AnchorPlacement(AnchorPolicy):
         """Hit tokens per block kept (see the module docstring): a speculative kind's
         `usefulness`, the others 1, times the tokens between the live (not demoted) anchor
         above (looking back at most `WORTH_REACH` positions, `TAIL_REACH` from a prompt tail,
-        without a cap from an output end) and this one, per block of window and Full KV there."""
+        without a cap from an output end or a chunk point) and this one, per block of window and
+        Full KV there (of its window alone for a chunk point)."""
         depth = anchor.node.depth
         share = max(self.usefulness(kind, depth) if kind in SPECULATIVE_KINDS else 1.0 for kind in anchor.kinds)
-        if AnchorKind.OUTPUT_END in anchor.kinds:
+        chunk = self.chunk_point(AnchorKind.GRID, depth) and AnchorKind.GRID in anchor.kinds
+        if AnchorKind.OUTPUT_END in anchor.kinds or chunk:
             reach = depth + 1
         else:
             reach = TAIL_REACH if AnchorKind.PROMPT_TAIL in anchor.kinds else WORTH_REACH
@@ -228,12 +252,16 @@ class AnchorPlacement(AnchorPolicy):
             gain += 1
             if node.depth < 0 or (node.anchor is not None and not node.anchor.demoted):
                 break
+        if chunk and anchor.kinds == {AnchorKind.GRID}:
+            return share * gain * self.block_size / self.window_cost
         return share * gain * self.block_size / (self.window_cost + self.full_blocks_per_position * gain)
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         self.created[kind] += 1
         if kind is AnchorKind.PROMPT_TAIL:
             self._tails_created[depth_band(anchor.node.depth)] += 1
+        if self.chunk_point(kind, anchor.node.depth):
+            self._chunks["created"] += 1
 
     def anchor_evicted(self, anchor: Anchor, cause: EvictionCause) -> None:
         kinds = anchor.kinds & SPECULATIVE_KINDS

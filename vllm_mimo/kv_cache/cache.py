@@ -72,6 +72,9 @@ class CacheSettings(Protocol):
     def grid_anchor_tokens(self) -> int: ...
 
     @property
+    def chunk_anchor_tokens(self) -> int: ...
+
+    @property
     def hot_prefix_min_hits(self) -> int: ...
 
 
@@ -165,6 +168,7 @@ class HybridKVCache(Allocation, Preemption, Integrity):
             self.block_size,
             config.grid_anchor_tokens,
             config.hot_prefix_min_hits,
+            chunk_every=config.chunk_anchor_tokens // config.grid_anchor_tokens if config.chunk_anchor_tokens else 0,
             ghost_capacity=min(self.anchor_budget_blocks, (self.geometry.num_blocks - 1) // 2) // anchor_blocks,
             window_cost=anchor_blocks,
             full_blocks_per_position=self._n_full,
