@@ -145,7 +145,9 @@ class MimoConfig:
             "Every this many prompt tokens (a multiple of grid_anchor_tokens), a grid point is a "
             "chunk point, as SGLang keeps its prefill chunks' ends: its window starts live and "
             "is ranked by the whole prefix a hit there saves, so a later request that forks deep "
-            "in a long prompt hits back to the last chunk point. 0 turns chunk points off.",
+            "in a long prompt hits back to the last chunk point. For traffic that forks mid-prompt; "
+            "it costs long multi-turn conversations hits where memory is tight (measured in "
+            "eval/notes/branch-points.md). 0 turns chunk points off.",
             min=0,
             max=1_048_576,
         ),
