@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from eval.replay import ENGINES, SimParams, add_source_arguments, ideal_hits, load_source, parse_engines, simulate
+from eval.trace_reuse import cached_segments
 from eval.workloads import ReplayRequest
 
 CLASSES = ("tail", "mid-prompt", "whole prompt", "none")
@@ -39,9 +40,8 @@ def hit_ends(requests: list[ReplayRequest]) -> list[str]:
     wholes: set[tuple] = set()
     out = []
     for request in requests:
-        prompt, cached = request.prompt, 0
-        while cached < len(prompt) and prompt[: cached + 1] in seen:
-            cached += 1
+        prompt = request.prompt
+        cached = cached_segments(prompt, seen)
         point = prompt[:cached]
         out.append("none" if not cached else "tail" if point in tails else "whole prompt" if point in wholes else "mid-prompt")
         seen.update(prompt[:end] for end in range(1, len(prompt) + 1))

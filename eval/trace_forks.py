@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eval.replay import add_source_arguments, load_source
-from eval.trace_reuse import token_edges
+from eval.trace_reuse import cached_segments, token_edges
 from eval.workloads import ReplayRequest
 
 DEFAULT_DEPTHS = (4096, 16384, 32768, 65536)
@@ -73,9 +73,7 @@ def fork_bands(requests: list[ReplayRequest], edges: tuple[int, ...]) -> list[De
     first_fork: set[tuple] = set()
     for i, request in enumerate(requests):
         prompt = request.prompt
-        cached = 0
-        while cached < len(prompt) and prompt[: cached + 1] in seen:
-            cached += 1
+        cached = cached_segments(prompt, seen)
         for end in range(1, cached):
             if seen[prompt[:end]][0] != i and prompt[:end] not in first_fork:
                 passed.add(prompt[:end])

@@ -22,6 +22,7 @@ import json
 import statistics
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Container
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -75,15 +76,23 @@ def next_use_seconds(requests: list[ReplayRequest]) -> list[float | None]:
     return out
 
 
+def cached_segments(prompt: tuple, seen: Container[tuple]) -> int:
+    """How many leading segments of `prompt` some earlier prompt started with (`seen`: every
+    prefix of the earlier prompts)."""
+    cached = 0
+    while cached < len(prompt) and prompt[: cached + 1] in seen:
+        cached += 1
+    return cached
+
+
 def cached_shares(requests: list[ReplayRequest]) -> list[float]:
     """Per request (in arrival order), the share of its prompt's segments that some earlier
     prompt started with."""
     seen: set[tuple] = set()
     out = []
     for request in requests:
-        prompt, cached = request.prompt, 0
-        while cached < len(prompt) and prompt[: cached + 1] in seen:
-            cached += 1
+        prompt = request.prompt
+        cached = cached_segments(prompt, seen)
         out.append(cached / len(prompt) if prompt else 0.0)
         seen.update(prompt[:end] for end in range(1, len(prompt) + 1))
     return out
