@@ -60,6 +60,20 @@ def test_live_anchors_go_least_worth_per_block_first_and_age_as_anchors_are_evic
     anchors.check_integrity()
 
 
+def test_an_anchor_that_goes_with_its_full_kv_does_not_age_the_others():
+    """Only an anchor the order chose (`in_order`) raises the clock to its priority; one that
+    went with its node's Full KV (`Anchor.keeps_full` false) was not the least worth."""
+    tree = PrefixTree()
+    a, b = chain(tree, 2)
+    anchors = AnchorSet(worth=lambda anchor: 10.0 * (anchor.node.depth + 1))
+    for node in (a, b):
+        anchors.add(Anchor(node, AnchorKind.GRID, 1), pinned=False)
+    anchors.evicted(b.anchor, in_order=False)  # type: ignore[arg-type]
+    assert anchors.clock == 0
+    anchors.evicted(a.anchor)  # type: ignore[arg-type]
+    assert anchors.clock == pytest.approx(10.0, abs=0.01)
+
+
 def test_without_evictions_time_moves_the_clock_by_worth_per_reuse_gap():
     """When nothing is evicted, the clock is time: the worth of all uses so far over the mean
     uses between an anchor's last use and a hit at it. So a worthy anchor left idle goes

@@ -565,3 +565,32 @@ def test_anchor_kinds_tell_hints_system_prompts_cache_control_and_pins_apart():
     assert [a.pinned for a in kinds.values() for a in a] == [False, False, False, True]
     assert {k: m.metrics.anchors_placed[k] for k in ("declared", "system_prompt", "cache_control", "pinned_prompt")} == {
         "declared": 1, "system_prompt": 1, "cache_control": 1, "pinned_prompt": 1}
+
+
+@pytest.mark.parametrize("chunk_tokens", [8 * BLOCK, 0])
+def test_a_chunk_point_goes_with_its_full_kv_least_recently_used(chunk_tokens: int):
+    """A chunk point (`chunk_anchor_tokens`) does not keep its Full KV: once everything below it
+    went, its node is a Full leaf in the least-recently-used order, and its window goes with it,
+    while the anchor order would pick another anchor (the grid point above it, worth less). Without
+    chunk points (the negative control, 0) the same point keeps its Full KV and goes in the anchor
+    order, as every other anchor does."""
+    from vllm_mimo.kv_cache.contract import EvictionCause
+
+    m = manager(grid_anchor_tokens=4 * BLOCK, chunk_anchor_tokens=chunk_tokens)
+    run(m, make_request("a", list(range(5000, 5000 + 20 * BLOCK)) + [1]), output=[5, 6])
+    at_8 = next(a for a in m.cache.anchors if a.node.depth + 1 == 8)
+    assert at_8.keeps_full == (not chunk_tokens)
+    in_order: dict[int, bool] = {}
+
+    class Evictions(CacheObserver):
+        def anchor_evicted(self, anchor, cause) -> None:
+            leaf = anchor.node.full_blocks is not None and anchor.node.full_children == 0
+            in_order[anchor.node.depth + 1] = m.cache.anchors.victim() is anchor
+            assert leaf or anchor.keeps_full
+
+    m.cache.subscribe(Evictions())
+    assert not m.cache.evict(10_000, EvictionCause(full_blocks=10_000, swa_blocks=0))
+    assert m.cache.tree.nodes == {} and not list(m.cache.anchors)
+    m.check_integrity()
+    assert in_order.pop(8) == (not chunk_tokens)
+    assert all(in_order.values()), in_order

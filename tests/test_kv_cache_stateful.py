@@ -56,6 +56,7 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(90, 260),
         budget=st.sampled_from([0.0, 0.1, 0.5]),
         grid=st.sampled_from([0, 2 * BLOCK]),
+        chunk_every=st.sampled_from([0, 1, 2]),  # grid points per chunk point (with a grid)
         eagle=st.booleans(),
         # (Full, SWA) block sizes: one size, or one kind's blocks holding two of the other's
         block_sizes=st.sampled_from([(BLOCK, BLOCK), (2 * BLOCK, BLOCK), (BLOCK, 2 * BLOCK)]),
@@ -67,10 +68,10 @@ class ManagerMachine(RuleBasedStateMachine):
         l3=st.booleans(),
     )
     def setup(
-        self, num_blocks: int, budget: float, grid: int, eagle: bool, block_sizes: tuple[int, int], window_local: bool,
-        host_pages: int, host_dense: bool, l3: bool,
+        self, num_blocks: int, budget: float, grid: int, chunk_every: int, eagle: bool, block_sizes: tuple[int, int],
+        window_local: bool, host_pages: int, host_dense: bool, l3: bool,
     ) -> None:
-        config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid)
+        config = MimoConfig(anchor_budget_fraction=budget, grid_anchor_tokens=grid, chunk_anchor_tokens=chunk_every * grid)
         full_block, swa_block = block_sizes
         self.m = HybridKVCacheManager(
             kv_config(num_blocks, window=WINDOW, full_block=full_block, swa_block=swa_block), 4096,

@@ -64,9 +64,10 @@ def test_a_new_speculative_anchor_starts_demoted_when_share_times_reach_is_under
 
 def test_a_chunk_point_learns_its_own_share_reaches_its_whole_prefix_and_pays_for_its_window_only():
     """Every `chunk_every`-th grid point: once the grid points' share is low, the others start
-    demoted and a chunk point does not; its worth counts the whole prefix above it (to the live
-    anchor there) per block of its window alone. Without chunk points (the negative control) the
-    same point starts demoted and is worth a grid interval per block of window and Full KV."""
+    demoted and a chunk point does not; it does not keep its Full KV, and its worth counts the
+    whole prefix above it (to the live anchor there) per block of its window alone. Without chunk
+    points (the negative control) the same point starts demoted, keeps its Full KV and is worth a
+    grid interval per block of window and Full KV."""
     tree = PrefixTree()
     nodes = chain(tree, 600)
     grid_blocks = 32
@@ -87,7 +88,9 @@ def test_a_chunk_point_learns_its_own_share_reaches_its_whole_prefix_and_pays_fo
     assert chunked.reach(AnchorKind.GRID, at_chunk.depth) == 4 * grid_blocks
     assert not chunked.starts_demoted(anchor, AnchorKind.GRID)  # its own share: 1/2 before any evidence
     assert chunked.worth(anchor) == pytest.approx(0.5 * 4 * grid_blocks * BLOCK / 4)
+    assert not chunked.keeps_full(anchor) and plain.keeps_full(anchor)
     assert chunked.starts_demoted(Anchor(off_chunk, AnchorKind.GRID, 2), AnchorKind.GRID)
+    assert chunked.keeps_full(off_chunk.anchor)  # type: ignore[arg-type]
     assert plain.starts_demoted(anchor, AnchorKind.GRID)
     assert plain.worth(anchor) == pytest.approx(0.01 * 64 * BLOCK / (4 + 64))  # WORTH_REACH back
     chunked.anchor_placed(anchor, AnchorKind.GRID)
@@ -95,6 +98,8 @@ def test_a_chunk_point_learns_its_own_share_reaches_its_whole_prefix_and_pays_fo
     assert chunked.usefulness(AnchorKind.GRID, off_chunk.depth) == pytest.approx(1 / 101)
     chunked.on_hit(anchor, goes_on=False)  # it served
     assert chunked.usefulness(AnchorKind.GRID, at_chunk.depth) == pytest.approx(2 / 3)
+    anchor.kinds.add(AnchorKind.PROMPT_TAIL)  # a prompt's tail there too: it keeps its Full KV
+    assert chunked.keeps_full(anchor)
 
 
 def test_a_prompt_tail_looks_back_further_and_is_worth_what_tails_of_its_length_serve():

@@ -143,11 +143,11 @@ class MimoConfig:
         default=0,
         metadata=_key(
             "Every this many prompt tokens (a multiple of grid_anchor_tokens), a grid point is a "
-            "chunk point, as SGLang keeps its prefill chunks' ends: its window starts live and "
-            "is ranked by the whole prefix a hit there saves, so a later request that forks deep "
-            "in a long prompt hits back to the last chunk point. For traffic that forks mid-prompt; "
-            "it costs long multi-turn conversations hits where memory is tight (measured in "
-            "eval/notes/branch-points.md). 0 turns chunk points off.",
+            "chunk point, as SGLang keeps its prefill chunks' ends for as long as their Full KV: "
+            "its window starts live, is ranked by the whole prefix a hit there saves, and goes "
+            "with its Full KV (least recently used), so a later request that forks deep in a long "
+            "prompt hits back to the last chunk point. For traffic that forks mid-prompt (measured "
+            "in eval/notes/branch-points.md). 0 turns chunk points off.",
             min=0,
             max=1_048_576,
         ),

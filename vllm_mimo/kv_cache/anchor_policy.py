@@ -46,13 +46,15 @@ reach from tails kept the tails of ended conversations over everything (measured
 eval/RESULTS.md, issue 18).
 
 Every `chunk_every`-th grid point of a prompt is a chunk point (`chunk_point`; config
-`chunk_anchor_tokens`), as SGLang keeps the SWA windows at its prefill chunks' ends: a request
-that forks deep in a long prompt, after the grid windows there went, hits back to the last
-chunk point instead of to the live anchor far above. A chunk point learns its own share, reaches
-back its whole depth (what a fork below it saves: the grid windows above start demoted), and is
-worth per block of its window alone (a deeper anchor of the prompt keeps its path's Full KV), so
-it starts live where forks come and outlives the demoted grid windows around it
-(eval/notes/branch-points.md, issue 56).
+`chunk_anchor_tokens`), as SGLang keeps the SWA windows at its prefill chunks' ends for as long
+as their Full KV: a request that forks deep in a long prompt, after the grid windows there went,
+hits back to the last chunk point instead of to the live anchor far above. A chunk point learns
+its own share, reaches back its whole depth (what a fork below it saves: the grid windows above
+start demoted), and does not keep its Full KV (`keeps_full`): its node stays in the Full
+eviction order, least recently used first, and its window goes with its Full KV. So it costs its
+window alone, and is worth per block of that: it starts live where forks come and outlives the
+demoted grid windows around it while its prompt's Full KV stays. (Kept past its Full KV, chunk
+points held the Full KV of ended conversations: measured in eval/notes/branch-points.md, issue 56.)
 """
 
 from __future__ import annotations
@@ -238,7 +240,7 @@ class AnchorPlacement(AnchorPolicy):
         `usefulness`, the others 1, times the tokens between the live (not demoted) anchor
         above (looking back at most `WORTH_REACH` positions, `TAIL_REACH` from a prompt tail,
         without a cap from an output end or a chunk point) and this one, per block of window and
-        Full KV there (of its window alone for a chunk point)."""
+        Full KV there (of its window alone where it does not keep its Full KV: `keeps_full`)."""
         depth = anchor.node.depth
         share = max(self.usefulness(kind, depth) if kind in SPECULATIVE_KINDS else 1.0 for kind in anchor.kinds)
         chunk = self.chunk_point(AnchorKind.GRID, depth) and AnchorKind.GRID in anchor.kinds
@@ -252,9 +254,13 @@ class AnchorPlacement(AnchorPolicy):
             gain += 1
             if node.depth < 0 or (node.anchor is not None and not node.anchor.demoted):
                 break
-        if chunk and anchor.kinds == {AnchorKind.GRID}:
+        if not self.keeps_full(anchor):
             return share * gain * self.block_size / self.window_cost
         return share * gain * self.block_size / (self.window_cost + self.full_blocks_per_position * gain)
+
+    def keeps_full(self, anchor: Anchor) -> bool:
+        """Every anchor keeps its node's Full KV but a chunk point's (see the module docstring)."""
+        return not (anchor.kinds == {AnchorKind.GRID} and self.chunk_point(AnchorKind.GRID, anchor.node.depth))
 
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         self.created[kind] += 1

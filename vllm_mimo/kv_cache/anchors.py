@@ -77,7 +77,8 @@ class AnchorSet:
     positions (0: no anchors are placed), a new one starts demoted where `starts_demoted` says
     so (the policy's rule), and `placed` / `demoted` are told of each anchor placed (or given a
     new kind) and demoted. `worth`: the policy's worth per block of an anchor, which orders the
-    GREEDY_DUAL state (`AnchorState`)."""
+    GREEDY_DUAL state (`AnchorState`); `keeps_full`: the policy's `keeps_full`, set on each
+    anchor placed or given a new kind (`Anchor.keeps_full`)."""
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class AnchorSet:
         placed: Callable[[Anchor, AnchorKind], None] = lambda anchor, kind: None,
         demoted: Callable[[Anchor], None] = lambda anchor: None,
         worth: Callable[[Anchor], float] = lambda anchor: 0.0,
+        keeps_full: Callable[[Anchor], bool] = lambda anchor: True,
     ) -> None:
         self.window_blocks = window_blocks
         self._starts_demoted = starts_demoted
@@ -94,6 +96,7 @@ class AnchorSet:
         self._queues: dict[AnchorState, OrderedDict[int, Anchor]] = {state: OrderedDict() for state in AnchorState}
         self._shared: dict[int, Anchor] = {}  # live anchors of a shared kind, held or not
         self._worth = worth
+        self._keeps_full = keeps_full
         # The GREEDY_DUAL state's order: (priority, entry, id of the anchor); an entry is stale once its
         # anchor left the state or was used again (a newer entry), and is skipped when met. The
         # id, not the anchor: a stale entry must not keep an evicted anchor (and the tree nodes
@@ -180,10 +183,12 @@ class AnchorSet:
         self._shared.pop(id(anchor), None)
         anchor.entry = 0  # its GREEDY_DUAL heap entry, if any, is stale
 
-    def evicted(self, anchor: Anchor) -> None:
+    def evicted(self, anchor: Anchor, in_order: bool = True) -> None:
         """`anchor` is evicted: gone, and the clock rises to its priority if it was in the GREEDY_DUAL
-        state (GreedyDual's aging: see `AnchorState`)."""
-        if anchor.state is AnchorState.GREEDY_DUAL and anchor.priority > self.clock:
+        state (GreedyDual's aging: see `AnchorState`) and went `in_order` (as `victim` chose it;
+        an anchor that goes with its node's Full KV, `Anchor.keeps_full`, was not the least
+        worth, and aging the others by its worth ranked every older anchor below every newer one)."""
+        if in_order and anchor.state is AnchorState.GREEDY_DUAL and anchor.priority > self.clock:
             self.clock = anchor.priority
         self.remove(anchor)
 
@@ -263,11 +268,13 @@ class AnchorSet:
             if kind not in anchor.kinds:
                 self.add_kind(anchor, kind)
                 self._placed(anchor, kind)
+                anchor.keeps_full = self._keeps_full(anchor)
             if pinned:
                 self.pin(anchor)
             self.touch(anchor)
         else:
             anchor = Anchor(node, kind, self.window_blocks)
+            anchor.keeps_full = self._keeps_full(anchor)
             self.add(anchor, pinned)
             self._placed(anchor, kind)
             if self._starts_demoted(anchor, kind):

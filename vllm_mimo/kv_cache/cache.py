@@ -152,6 +152,7 @@ class HybridKVCache(Allocation, Preemption, Integrity):
             self._anchor_placed,
             self._anchor_demoted,
             worth=self.anchor_policy.worth,
+            keeps_full=self.anchor_policy.keeps_full,
         )
         self.subscribe(self.anchor_policy)
         for observer in observers:
@@ -302,7 +303,7 @@ class HybridKVCache(Allocation, Preemption, Integrity):
             return False
         for anchor in list(self.anchors):
             self._drop_anchor(anchor)
-        while self._evict_full_leaves(len(self.tree.nodes)):
+        while self._evict_full_leaves(len(self.tree.nodes), ANCHOR_BUDGET):  # no anchor is left to go
             pass
         if self.host is not None:
             self.host.clear()
@@ -318,7 +319,7 @@ class HybridKVCache(Allocation, Preemption, Integrity):
         pools, n_full = self.pools, self._n_full
         short = num_blocks - pools.num_free_total()
         while short > 0:
-            leaves = self._evict_full_leaves(cdiv(short, n_full))
+            leaves = self._evict_full_leaves(cdiv(short, n_full), cause)
             if leaves:
                 short -= leaves * n_full
                 continue
@@ -336,22 +337,24 @@ class HybridKVCache(Allocation, Preemption, Integrity):
                 return
             self._evict_anchor(anchor, ANCHOR_BUDGET)
 
-    def _evict_full_leaves(self, positions: int) -> int:
-        """Evict the Full KV of up to `positions` Full leaves (`PrefixTree.evict_full`); returns
-        how many."""
-        dropped = self.tree.evict_full(positions)
+    def _evict_full_leaves(self, positions: int, cause: EvictionCause) -> int:
+        """Evict the Full KV of up to `positions` Full leaves, and an anchor that goes with its
+        leaf (`PrefixTree.evict_full`); returns how many."""
+        dropped = self.tree.evict_full(positions, lambda anchor: self._evict_anchor(anchor, cause, in_order=False))
         if dropped:
             self.pools.give_back([block_id for ids in dropped for block_id in ids])
             for evicted in self._observers.blocks_evicted:
                 evicted(Pool.FULL, len(dropped) * self._n_full)
         return len(dropped)
 
-    def _evict_anchor(self, anchor: Anchor, cause: EvictionCause) -> None:
+    def _evict_anchor(self, anchor: Anchor, cause: EvictionCause, in_order: bool = True) -> None:
+        """Evict `anchor`: chosen by the eviction order (`in_order`), or going with its node's
+        Full KV (`AnchorSet.evicted`)."""
         for evicted in self._observers.anchor_evicted:
             evicted(anchor, cause)
         if self.host is not None:
             self.host.demote(anchor, self._tick)
-        self.anchors.evicted(anchor)
+        self.anchors.evicted(anchor, in_order)
         self._free_window(anchor)
 
     # ------------------------------------------------------------------- sizes

@@ -289,6 +289,11 @@ class AnchorPolicy(CacheObserver, ABC):
         """What `anchor` is worth per block it keeps, in hit tokens (orders the live anchors:
         `node.AnchorState`)."""
 
+    def keeps_full(self, anchor: Anchor) -> bool:
+        """Whether `anchor` keeps its node's Full KV while it lives (`Anchor.keeps_full`): every
+        anchor unless the policy says otherwise."""
+        return True
+
     @abstractmethod
     def check_integrity(self, running: Sequence[str]) -> None:
         """Assert the policy's own invariants, given the ids of the running requests (slow;
@@ -388,7 +393,8 @@ class KVCache(ABC):
         evictable is left first. The eviction order, the one rule of what goes first:
 
           1. Full KV past the deepest anchor of its path (no hit can end there), least recently
-             used first;
+             used first, and with it an anchor that does not keep its Full KV
+             (`AnchorPolicy.keeps_full`);
           2. anchors, each with the Full KV only it made reachable (`AnchorState` order):
              demoted anchors that never served a hit, the latest demoted first; then demoted
              anchors that did; then the others, least worth per block first, aged as anchors

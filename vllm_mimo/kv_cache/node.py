@@ -110,7 +110,7 @@ DEMOTED_STATES = (AnchorState.DEMOTED_UNSERVED, AnchorState.DEMOTED_SERVED)
 class Anchor:
     """An anchor of `kind` ending at `node`, covering the `window_blocks` nodes up to it."""
 
-    __slots__ = ("node", "window", "kinds", "state", "served", "priority", "entry")
+    __slots__ = ("node", "window", "kinds", "state", "served", "priority", "entry", "keeps_full")
 
     def __init__(self, node: Node, kind: AnchorKind, window_blocks: int) -> None:
         self.node = node
@@ -126,6 +126,9 @@ class Anchor:
         self.served = False  # whether a hit has ended at it
         self.priority = 0.0  # in the GREEDY_DUAL state: the clock when last used plus its worth per block
         self.entry = 0  # when it was last used in the GREEDY_DUAL state (anchor uses), its GREEDY_DUAL heap entry
+        # Whether its node's Full KV stays while it lives (the policy's `keeps_full`); if not,
+        # the node stays in the Full eviction order and the anchor goes with its Full KV.
+        self.keeps_full = True
 
     def uncover(self) -> list[Node]:
         """The anchor goes: its node and window are no longer its; returns the window (the

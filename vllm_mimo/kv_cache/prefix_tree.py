@@ -21,18 +21,19 @@ follow the nodes exactly).
 
 Matching never mutates. Full KV past the deepest anchor of its path can never end a hit (a hit
 needs the SWA window before it): such unreferenced, unanchored leaves are the tree's Full
-eviction candidates, least recently used first (`pop_full_victim`).
+eviction candidates, least recently used first (`pop_full_victim`). So is a leaf whose anchor
+does not keep its Full KV (`Anchor.keeps_full`): the anchor goes with it (`evict_full`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vllm_mimo.kv_cache.node import Blocks, Node
+from vllm_mimo.kv_cache.node import Anchor, Blocks, Node
 from vllm_mimo.kv_cache.pools import Pool
 
 DEVICE = "GPU"
@@ -379,12 +380,13 @@ class PrefixTree:
             node.full_blocks is not None
             and node.full_refs == 0
             and node.full_children == 0
-            and node.anchor is None
+            and (node.anchor is None or not node.anchor.keeps_full)
             and node is not self.root
         )
 
     def offer_full_victim(self, node: Node) -> None:
-        """Queue `node` for Full eviction if it is an unreferenced, unanchored Full leaf."""
+        """Queue `node` for Full eviction if it is an unreferenced Full leaf, unanchored or
+        whose anchor does not keep its Full KV."""
         if self._is_garbage(node):
             heapq.heappush(self._garbage, (node.last_access, next(self._seq), node))
             if len(self._garbage) > 2 * len(self.nodes) + 64:
@@ -394,22 +396,25 @@ class PrefixTree:
                 heapq.heapify(self._garbage)
 
     def pop_full_victim(self) -> Node | None:
-        """The least recently used unreferenced, unanchored Full leaf, if any."""
+        """The least recently used Full eviction candidate (`offer_full_victim`), if any."""
         while self._garbage:
             access, _, node = heapq.heappop(self._garbage)
             if self._is_garbage(node) and access == node.last_access and self.nodes.get(node.block_hash) is node:
                 return node
         return None
 
-    def evict_full(self, positions: int = 1) -> list[Blocks]:
-        """Drop the Full KV of the least recently used unreferenced, unanchored Full leaf, up
-        to `positions` times (a leaf's parent may be the next); returns the blocks dropped (the
-        caller's to free), fewer positions' if no such leaf is left."""
+    def evict_full(self, positions: int, drop_anchor: Callable[[Anchor], None]) -> list[Blocks]:
+        """Drop the Full KV of the least recently used Full eviction candidate, up to
+        `positions` times (a leaf's parent may be the next), its anchor first if it has one
+        (`drop_anchor` evicts it); returns the blocks dropped (the caller's to free), fewer
+        positions' if no candidate is left."""
         dropped: list[Blocks] = []
         while len(dropped) < positions:
             node = self.pop_full_victim()
             if node is None:
                 break
+            if node.anchor is not None:
+                drop_anchor(node.anchor)
             dropped.append(node.full_blocks)  # type: ignore[arg-type]
             self.unreferenced_full -= 1
             self.set_full(node, None)
