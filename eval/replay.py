@@ -827,6 +827,25 @@ def plot(runs: list[RunResult], out: Path, title: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+def add_chunk_anchor_argument(parser: argparse.ArgumentParser) -> None:
+    """`--chunk-anchor-tokens`, the plugin's `chunk_anchor_tokens` (checked by
+    `check_chunk_anchor_argument`)."""
+    parser.add_argument(
+        "--chunk-anchor-tokens", type=int, default=SimParams.chunk_anchor_tokens, metavar="TOKENS",
+        help="the plugin's chunk_anchor_tokens: every TOKENS prompt tokens (a multiple of its "
+        "grid_anchor_tokens, 512) a grid point is a chunk point, whose window starts live and is "
+        f"ranked by the prefix a hit there saves (default: {SimParams.chunk_anchor_tokens}, the plugin's; 0: off)",
+    )
+
+
+def check_chunk_anchor_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject a `--chunk-anchor-tokens` the plugin's own config check rejects."""
+    try:  # the plugin's own check of the key
+        MimoConfig.from_sources({"mimo": {"chunk_anchor_tokens": args.chunk_anchor_tokens}}, environ={})
+    except MimoConfigError as e:
+        parser.error(f"--chunk-anchor-tokens: {e}")
+
+
 def add_source_arguments(parser: argparse.ArgumentParser, replay: bool = True) -> None:
     """The arguments that say what to replay (shared with the other replay tools), and with
     `replay` the model layout to replay it on and how sessions are sent."""
@@ -970,12 +989,7 @@ def main(argv: list[str] | None = None) -> int:
         f"first N waiting requests would hit count as just used (default: {SimParams.queue_lookahead}, "
         "the plugin's; 0: off; SGLang's engines do their own)",
     )
-    parser.add_argument(
-        "--chunk-anchor-tokens", type=int, default=SimParams.chunk_anchor_tokens, metavar="TOKENS",
-        help="the plugin's chunk_anchor_tokens: every TOKENS prompt tokens (a multiple of its "
-        "grid_anchor_tokens, 512) a grid point is a chunk point, whose window starts live and is "
-        f"ranked by the prefix a hit there saves (default: {SimParams.chunk_anchor_tokens}, the plugin's; 0: off)",
-    )
+    add_chunk_anchor_argument(parser)
     parser.add_argument("--json", type=Path, help="write the runs as JSON here")
     parser.add_argument("--plot", type=Path, help="draw hit ratio against KV budget for all engines (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -990,10 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
     if args.step_prefill_floor < 0:
         parser.error(f"--step-prefill-floor must be >= 0 tokens (0: off), got {args.step_prefill_floor}")
-    try:  # the plugin's own check of the key
-        MimoConfig.from_sources({"mimo": {"chunk_anchor_tokens": args.chunk_anchor_tokens}}, environ={})
-    except MimoConfigError as e:
-        parser.error(f"--chunk-anchor-tokens: {e}")
+    check_chunk_anchor_argument(parser, args)
     if args.queue_lookahead < 0:
         parser.error(f"--queue-lookahead must be >= 0 requests (0: off), got {args.queue_lookahead}")
     if args.prefill_chunk < 0:

@@ -1,7 +1,8 @@
 """Where the plugin's KV blocks go in a replay, and why hits are lost (one engine, one budget).
 
     python -m eval.replay_diagnose (--trace FILE | --workload NAME) --layout LAYOUT --kv-gib G
-        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--json OUT] [--plot PNG]
+        [--seed S] [--scale X] [--max-requests N] [--open-loop] [--chunk-anchor-tokens T]
+        [--json OUT] [--plot PNG]
 
 Replays like `eval.replay` with the plugin's manager only, observed through its events and
 its public state:
@@ -34,7 +35,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from eval.replay import SimParams, add_source_arguments, ideal_hits, load_source, simulate
+from eval.replay import (
+    SimParams,
+    add_chunk_anchor_argument,
+    add_source_arguments,
+    check_chunk_anchor_argument,
+    ideal_hits,
+    load_source,
+    simulate,
+)
 from vllm_mimo.engine.kv_manager import HybridKVCacheManager
 from vllm_mimo.kv_cache.contract import CacheObserver, EvictionCause
 from vllm_mimo.kv_cache.node import AnchorKind
@@ -180,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.replay_diagnose", description=__doc__.split("\n\n")[0])
     add_source_arguments(parser)
     parser.add_argument("--kv-gib", type=float, required=True, help="KV cache budget in GiB, > 0")
+    add_chunk_anchor_argument(parser)
     parser.add_argument("--json", type=Path, help="write the diagnosis as JSON here")
     parser.add_argument("--plot", type=Path, metavar="PNG",
                         help="draw the anchors' and cached Full blocks over the run against the anchors' cap (needs matplotlib)")
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--plot needs matplotlib: pip install 'vllm-mimo[eval]'")
     if not args.kv_gib > 0:
         parser.error(f"--kv-gib must be > 0, got {args.kv_gib}")
+    check_chunk_anchor_argument(parser, args)
     source = load_source(parser, args)
     if source is None:
         return 2
@@ -203,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         diagnoses.append(Diagnosis(manager))
         return manager
 
-    params = SimParams(max_model_len=source.max_model_len, closed_loop=not args.open_loop)
+    params = SimParams(max_model_len=source.max_model_len, closed_loop=not args.open_loop,
+                       chunk_anchor_tokens=args.chunk_anchor_tokens)
     try:
         run = simulate("mimo", args.layout, args.kv_gib, requests, ideal_hits(requests), params,
                        mimo_factory=observed, on_step=lambda: diagnoses[0].step())
@@ -214,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     use = {k: round(v / max(m.samples, 1)) for k, v in m.block_use.items()}
     out = {
         "source": source.name, "layout": args.layout, "skipped_too_long": source.skipped_too_long,
-        "kv_gib": args.kv_gib, "blocks": run.num_blocks, "hit_tokens": run.hit_tokens,
+        "kv_gib": args.kv_gib, "chunk_anchor_tokens": args.chunk_anchor_tokens,
+        "blocks": run.num_blocks, "hit_tokens": run.hit_tokens,
         "pseudo_hit_tokens": run.pseudo_hit_tokens, "mean_blocks_by_use": use,
         "pseudo_hit_tokens_by_cause": dict(m.pseudo_causes),
         "pseudo_hit_tokens_by_end": dict(m.pseudo_ends), "pseudo_hit_tokens_by_anchor_fate": dict(m.pseudo_anchors),

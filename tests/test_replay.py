@@ -563,12 +563,16 @@ def test_hits_by_where_the_ideal_hit_ends(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_the_replay_sets_the_plugins_chunk_points(tmp_path, capsys):
+def test_the_replay_and_its_diagnosis_set_the_plugins_chunk_points(tmp_path, capsys):
     out = tmp_path / "chunk.json"
     args = ["--trace", str(DATA / "siblings.jsonl"), "--layout", "mimo-v2.5-pro", "--kv-gib", "4", "--engines", "mimo"]
     assert replay.main([*args, "--chunk-anchor-tokens", "1024", "--json", str(out), "--quiet"]) == 0
     assert json.loads(out.read_text())["params"]["chunk_anchor_tokens"] == 1024
-    for bad, message in (("1000", "must be a multiple of grid_anchor_tokens=512"), ("-512", "out of range")):
-        with pytest.raises(SystemExit):
-            replay.main([*args, "--chunk-anchor-tokens", bad])
-        assert message in capsys.readouterr().err
+    diagnosed = tmp_path / "diagnosis.json"
+    assert replay_diagnose.main([*args[:-2], "--chunk-anchor-tokens", "1024", "--json", str(diagnosed)]) == 0
+    assert json.loads(diagnosed.read_text())["chunk_anchor_tokens"] == 1024
+    for tool, tool_args in ((replay, args), (replay_diagnose, args[:-2])):
+        for bad, message in (("1000", "must be a multiple of grid_anchor_tokens=512"), ("-512", "out of range")):
+            with pytest.raises(SystemExit):
+                tool.main([*tool_args, "--chunk-anchor-tokens", bad])
+            assert message in capsys.readouterr().err
