@@ -123,8 +123,15 @@ def test_out_of_range_environment_value(monkeypatch):
 
 
 def test_chunk_points_are_grid_points():
+    """null (the default) is every CHUNK_EVERY_GRID_POINTS-th grid point, whatever the grid."""
+    from vllm_mimo.config import CHUNK_EVERY_GRID_POINTS
+
     ok = MimoConfig.from_sources({"mimo": {"chunk_anchor_tokens": 8192}}, environ={})
     assert (ok.chunk_anchor_tokens, ok.grid_anchor_tokens) == (8192, 512)
+    assert MimoConfig().chunk_anchor_tokens == CHUNK_EVERY_GRID_POINTS * 512 == 16384
+    assert MimoConfig.from_sources({"mimo": {"grid_anchor_tokens": 1000}}, environ={}).chunk_anchor_tokens == 32000
+    assert MimoConfig.from_sources({}, environ={"VLLM_MIMO_CHUNK_ANCHOR_TOKENS": "null"}).chunk_anchor_tokens == 16384
+    assert MimoConfig.from_sources({"mimo": {"chunk_anchor_tokens": 0}}, environ={}).chunk_anchor_tokens == 0
     assert MimoConfig.from_sources({"mimo": {"grid_anchor_tokens": 0}}, environ={}).chunk_anchor_tokens == 0
     for section in ({"chunk_anchor_tokens": 1000}, {"chunk_anchor_tokens": 1024, "grid_anchor_tokens": 0}):
         with pytest.raises(MimoConfigError, match=r"chunk_anchor_tokens=\d+ must be a multiple of grid_anchor_tokens=\d+"):

@@ -199,3 +199,47 @@ def test_anchor_hints_come_as_an_object_or_its_json_text():
         declared_anchors({"mimo": "anchors: 128"})
     with pytest.raises(AnchorHintError, match=r'\["anchors"\] must be a list of positive token positions'):
         declared_anchors({"mimo": '{"anchors": "after the system prompt"}'})
+
+
+def test_a_band_whose_tails_fell_under_the_bar_learns_again_from_the_tails_it_starts_live(monkeypatch):
+    """A prompt tail demoted before it serves is not its depth band's evidence (the first anchor
+    to go, it seldom serves whatever the band), and every TAIL_EXPLORE_EVERY-th tail starts live:
+    a band whose tails stopped serving falls under the bar, and once its next turns come back
+    (a tail that is live when its next turn comes serves; a demoted one is gone by then), the
+    tails it starts live serve and its tails start live again. The controls stay under the bar:
+    counting the demoted tails as evidence, or starting none live."""
+    from vllm_mimo.kv_cache import anchor_policy
+    from vllm_mimo.kv_cache.anchor_policy import TAIL_EXPLORE_EVERY, AnchorDecision
+
+    class CountingDemoted(AnchorPlacement):
+        def anchor_demoted(self, anchor: Anchor) -> None:
+            """The rule before: every tail placed is its band's evidence."""
+
+    def live_starts(placement_class: type[AnchorPlacement]) -> tuple[list[bool], list[bool]]:
+        """Which tails start live: 24 whose next turns never come, then 192 whose do."""
+        node = chain(PrefixTree(), 200)[-1]  # one depth: one band
+        placement = placement_class(BLOCK, 0, 2, ghost_capacity=0, window_cost=4, full_blocks_per_position=1)
+        anchors = AnchorSet(1, placement.starts_demoted, placement.anchor_placed, placement.anchor_demoted)
+        starts = []
+        for comes_back in [False] * 24 + [True] * 192:
+            anchors.apply([AnchorDecision(node, AnchorKind.PROMPT_TAIL)])
+            tail = node.anchor
+            starts.append(not tail.demoted)
+            if comes_back and not tail.demoted:
+                placement.on_hit(tail, goes_on=False)
+                anchors.record_hit(tail)
+            anchors.evicted(tail)
+            placement.anchor_evicted(tail, ANCHOR_BUDGET)
+            tail.uncover()
+        return starts[:24], starts[24:]
+
+    never, later = live_starts(AnchorPlacement)
+    assert never[0] and not any(never[-16:])  # the band fell under the bar
+    explorer = TAIL_EXPLORE_EVERY - len(never) - 1  # the band's first explorer while it comes back
+    assert not any(later[:explorer]) and later[explorer]
+    assert all(later[-64:])  # then its tails start live again
+    for control in (CountingDemoted, None):
+        if control is None:
+            monkeypatch.setattr(anchor_policy, "TAIL_EXPLORE_EVERY", 10**9)
+        _, later = live_starts(control or AnchorPlacement)
+        assert not any(later[-64:]) if control is None else sum(later[-64:]) == 2

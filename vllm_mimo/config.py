@@ -43,6 +43,10 @@ def _key(help: str, **limits: Any) -> dict[str, Any]:
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 """Mooncake's metadata mode with no metadata server: clients hand each other their descriptors."""
+CHUNK_EVERY_GRID_POINTS = 32
+"""`chunk_anchor_tokens` when it is null: every this many grid points (16,384 tokens at the default
+grid), measured against 8,192 and off on both public traces and the suite:
+eval/notes/branch-points.md."""
 L3_MIN_GIB = 1 / 64
 """Mooncake refuses a global segment under 16 MiB."""
 
@@ -139,15 +143,17 @@ class MimoConfig:
             max=1_048_576,
         ),
     )
-    chunk_anchor_tokens: int = field(
-        default=0,
+    chunk_anchor_tokens: int | None = field(
+        default=None,
         metadata=_key(
             "Every this many prompt tokens (a multiple of grid_anchor_tokens), a grid point is a "
             "chunk point, as SGLang keeps its prefill chunks' ends for as long as their Full KV: "
             "its window starts live, is ranked by the whole prefix a hit there saves, and goes "
             "with its Full KV (least recently used), so a later request that forks deep in a long "
-            "prompt hits back to the last chunk point. For traffic that forks mid-prompt (measured "
-            "in eval/notes/branch-points.md). 0 turns chunk points off.",
+            "prompt hits back to the last chunk point (measured in eval/notes/branch-points.md). "
+            f"null: one every {CHUNK_EVERY_GRID_POINTS} grid points ({CHUNK_EVERY_GRID_POINTS * 512:,} "
+            "tokens at the default grid_anchor_tokens; none without grid anchors). 0 turns chunk "
+            "points off.",
             min=0,
             max=1_048_576,
         ),
@@ -281,6 +287,8 @@ class MimoConfig:
                 f"l3_master={self.l3_master!r} needs the host tier, but host_tier_gib=0; set "
                 "host_tier_gib > 0 (the L3's pages pass through it) or l3_master to \"\""
             )
+        if self.chunk_anchor_tokens is None:
+            object.__setattr__(self, "chunk_anchor_tokens", CHUNK_EVERY_GRID_POINTS * self.grid_anchor_tokens)
         if self.chunk_anchor_tokens and (not self.grid_anchor_tokens or self.chunk_anchor_tokens % self.grid_anchor_tokens):
             raise MimoConfigError(
                 f"chunk_anchor_tokens={self.chunk_anchor_tokens} must be a multiple of "

@@ -43,7 +43,12 @@ up to `TAIL_REACH`. For a prompt tail the share is learned per depth band (`dept
 agentic traffic a long prompt is often a tool loop whose next turn comes within seconds, a
 short one a conversation's last turn, and one share for both ranked them alike; an uncapped
 reach from tails kept the tails of ended conversations over everything (measured in
-eval/RESULTS.md, issue 18).
+eval/RESULTS.md, issue 18). A band's share counts only its tails that stayed live until they
+served or went: a tail demoted before it serves (at birth, its band's share being low) is the
+first anchor to go, so that it seldom serves says nothing of the band, and counted, it kept a
+band that fell under the bar there for good. Its serve, where it makes one, still counts, and
+every `TAIL_EXPLORE_EVERY`-th tail of a band starts live whatever the share, so a band whose
+next turns come back again learns it (measured in eval/notes/branch-points.md, issue 56).
 
 Every `chunk_every`-th grid point of a prompt is a chunk point (`chunk_point`; config
 `chunk_anchor_tokens`), as SGLang keeps the SWA windows at its prefill chunks' ends for as long
@@ -81,6 +86,11 @@ TAIL_REACH = 160
 BAND_PRIOR = 8.0
 """A prompt tail's share per depth band starts from its kind's share, as this many observations
 (measured against 2 and 32: eval/RESULTS.md, issue 18)."""
+
+TAIL_EXPLORE_EVERY = 32
+"""Every this many prompt tails of a depth band, one starts live whatever the band's share (see
+the module docstring); every 8th cost the agent sessions up to 3.5% (eval/notes/branch-points.md,
+issue 56)."""
 
 USEFUL_SHARE = 0.25
 """A new speculative anchor starts demoted when its kind's share of anchors that served a hit
@@ -184,8 +194,10 @@ class AnchorPlacement(AnchorPolicy):
         self.ghost_capacity = ghost_capacity
         self.created: Counter[AnchorKind] = Counter()
         self.served: Counter[AnchorKind] = Counter()
-        # Prompt tails placed and served per depth band.
-        self._tails_created: Counter[int] = Counter()
+        # Per depth band: new prompt tails, those of them (and kinds added to live anchors) that
+        # are its share's evidence (not demoted before they served), and tails that served.
+        self._tails_placed: Counter[int] = Counter()
+        self._tails_live: Counter[int] = Counter()
         self._tails_served: Counter[int] = Counter()
         # Chunk points placed and served (a share apart from the other grid points').
         self._chunks = Counter({"created": 0, "served": 0})
@@ -203,7 +215,8 @@ class AnchorPlacement(AnchorPolicy):
     def usefulness(self, kind: AnchorKind, depth: int | None = None) -> float:
         """Share of this kind's anchors that served a hit so far, or would have had they not
         been evicted (1/2 before any evidence); for a prompt tail at `depth`, the share of those
-        in its `depth_band`, starting from the kind's (`BAND_PRIOR`); for a chunk point, the
+        in its `depth_band` that stayed live (the module docstring), starting from the kind's
+        (`BAND_PRIOR`); for a chunk point, the
         share of chunk points."""
         if depth is not None and self.chunk_point(kind, depth):
             return (self._chunks["served"] + 1) / (self._chunks["created"] + 2)
@@ -211,7 +224,7 @@ class AnchorPlacement(AnchorPolicy):
         if depth is None or kind is not AnchorKind.PROMPT_TAIL:
             return share
         band = depth_band(depth)
-        return (self._tails_served[band] + BAND_PRIOR * share) / (self._tails_created[band] + BAND_PRIOR)
+        return (self._tails_served[band] + BAND_PRIOR * share) / (self._tails_live[band] + BAND_PRIOR)
 
     def _count_served(self, kinds: Iterable[AnchorKind], depth: int) -> None:
         self.served.update(kinds)
@@ -233,6 +246,8 @@ class AnchorPlacement(AnchorPolicy):
         if kind not in SPECULATIVE_KINDS:
             return False
         depth = anchor.node.depth
+        if kind is AnchorKind.PROMPT_TAIL and self._tails_placed[depth_band(depth)] % TAIL_EXPLORE_EVERY == 0:
+            return False
         return self.usefulness(kind, depth) * self.reach(kind, depth) < USEFUL_SHARE * (self.grid_blocks or WORTH_REACH)
 
     def worth(self, anchor: Anchor) -> float:
@@ -265,9 +280,16 @@ class AnchorPlacement(AnchorPolicy):
     def anchor_placed(self, anchor: Anchor, kind: AnchorKind) -> None:
         self.created[kind] += 1
         if kind is AnchorKind.PROMPT_TAIL:
-            self._tails_created[depth_band(anchor.node.depth)] += 1
+            band = depth_band(anchor.node.depth)
+            self._tails_live[band] += 1  # until `anchor_demoted` says otherwise
+            if anchor.kinds == {kind}:  # a new anchor, not a kind added to a live one
+                self._tails_placed[band] += 1
         if self.chunk_point(kind, anchor.node.depth):
             self._chunks["created"] += 1
+
+    def anchor_demoted(self, anchor: Anchor) -> None:
+        if AnchorKind.PROMPT_TAIL in anchor.kinds and not anchor.served:
+            self._tails_live[depth_band(anchor.node.depth)] -= 1
 
     def anchor_evicted(self, anchor: Anchor, cause: EvictionCause) -> None:
         kinds = anchor.kinds & SPECULATIVE_KINDS

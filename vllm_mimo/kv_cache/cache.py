@@ -72,7 +72,7 @@ class CacheSettings(Protocol):
     def grid_anchor_tokens(self) -> int: ...
 
     @property
-    def chunk_anchor_tokens(self) -> int: ...
+    def chunk_anchor_tokens(self) -> int | None: ...  # null is resolved by `MimoConfig`
 
     @property
     def hot_prefix_min_hits(self) -> int: ...
@@ -165,11 +165,14 @@ class HybridKVCache(Allocation, Preemption, Integrity):
         # Evicted anchors are remembered as many as half the blocks (or a smaller cap) hold:
         # what twice that would keep (the size of ARC's ghost lists).
         anchor_blocks = max(1, self._n_swa * self.anchor_window_blocks)
+        chunk_tokens = config.chunk_anchor_tokens
+        if chunk_tokens is None:
+            raise ValueError("chunk_anchor_tokens=None: MimoConfig resolves null to its default")
         return anchor_policy(
             self.block_size,
             config.grid_anchor_tokens,
             config.hot_prefix_min_hits,
-            chunk_every=config.chunk_anchor_tokens // config.grid_anchor_tokens if config.chunk_anchor_tokens else 0,
+            chunk_every=chunk_tokens // config.grid_anchor_tokens if chunk_tokens else 0,
             ghost_capacity=min(self.anchor_budget_blocks, (self.geometry.num_blocks - 1) // 2) // anchor_blocks,
             window_cost=anchor_blocks,
             full_blocks_per_position=self._n_full,
