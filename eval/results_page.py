@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.replay_summary import FREE_SHARE, PeerPoint, peer_points, runs_by_budget
+from eval.replay_summary import FREE_SHARE, PeerPoint, peer_files, peer_points, runs_by_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path("eval/results")
@@ -351,8 +351,9 @@ def window_local_section(results: Path) -> Section:
     suite_rows = []
     files = [*SUITE, *(f"{w}-open-loop" for w in OPEN_LOOP), "agentic-mooncake-mimo-v2-flash"]
     for stem in files:
-        # Each file's own run: the plugin and the plugin on stock attention side by side.
-        by_budget = runs_by_budget(results / f"replay-{stem}.json")
+        # Each file's own run, its `-mimo.json` rerun merged over it: the plugin and the plugin on
+        # stock attention side by side.
+        by_budget = runs_by_budget(*peer_files(results / f"replay-{stem}.json"))
         pairs = [(at["mimo"], at["mimo-stock-attention"]) for _, at in sorted(by_budget.items())]
         hits = [m["hit_tokens"] / s["hit_tokens"] for m, s in pairs if s["hit_tokens"]]
         ttft = [m["ttft_mean_s"] / s["ttft_mean_s"] for m, s in pairs if s["ttft_mean_s"]]
@@ -383,8 +384,10 @@ def window_local_section(results: Path) -> Section:
         ),
         "",
         "**In the replay**: `mimo` against `mimo-stock-attention` (the plugin on stock attention), same run",
-        "(the replay section's files, and `python -m eval.replay --trace eval/traces/agentic-mooncake.jsonl",
-        "--layout mimo-v2-flash --kv-gib 4 6 10 16 32 --json eval/results/replay-agentic-mooncake-mimo-v2-flash.json`):",
+        "(the replay section's files with their `-mimo.json` reruns merged, and `python -m eval.replay --trace",
+        "eval/traces/agentic-mooncake.jsonl --layout mimo-v2-flash --kv-gib 4 6 10 16 32 --json",
+        "eval/results/replay-agentic-mooncake-mimo-v2-flash.json`, its plugin rows rerun with `--engines",
+        "mimo,mimo-stock-attention` into `replay-agentic-mooncake-mimo-v2-flash-mimo.json`):",
         "",
         *_table(
             ["file", "budgets", "hits ÷ stock attention", "mean TTFT ÷ stock attention", "budgets with higher TTFT",
@@ -875,7 +878,7 @@ def targets_section(results: Path) -> Section:
     local = [
         (at["mimo"], at["mimo-stock-attention"])
         for stem in [*SUITE, *(f"{w}-open-loop" for w in OPEN_LOOP), "agentic-mooncake-mimo-v2-flash"]
-        for at in runs_by_budget(results / f"replay-{stem}.json").values()
+        for at in runs_by_budget(*peer_files(results / f"replay-{stem}.json")).values()
     ]
     slower = [m["ttft_mean_s"] / s["ttft_mean_s"] for m, s in local if m["ttft_mean_s"] > s["ttft_mean_s"]]
     wl_ratios = [row["ratio"] for name in WINDOW_LOCAL_BENCH for row in _load(results, name)["rows"]]

@@ -15,7 +15,7 @@ PY=${PY:-.venv/bin/python}
 DIR=${VLLM033_DIR:-.vllm033}
 mode=${1:-}
 case "$mode" in
-  check) shift; args=(-m "not engine and not slow" tests) ;;
+  check) shift; args=(-m "not engine and not slow" tests -n "${TEST_PROCS:-2}" --dist loadfile) ;;
   test) shift; args=(tests -n "${TEST_PROCS:-2}" --dist loadfile --durations=15) ;;
   *) echo "usage: $0 check|test [pytest arguments...] (check: what make check runs; test: all)" >&2; exit 2 ;;
 esac
